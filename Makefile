@@ -1,0 +1,29 @@
+PY := .venv/bin/python
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_NO_USAGE_STATS := 1
+
+.PHONY: setup run test test-fast lock gpu-check bench clean
+
+setup:            ## venv + locked packages + built-in models
+	bash scripts/setup.sh
+
+run:              ## the shipped steering demo on the embedded SmolLM2
+	.venv/bin/interp-run +experiment=steering_demo
+
+test:             ## the whole CPU test suite
+	$(PY) -m pytest -q
+
+test-fast:        ## unit tests only (no engine)
+	$(PY) -m pytest -q -m "not engine"
+
+lock:             ## re-resolve requirements/*.lock from requirements/*.in
+	python3 -m uv pip compile --python-version 3.11 requirements/cpu.in -o requirements/cpu.lock
+	python3 -m uv pip compile --python-version 3.12 --python-platform x86_64-manylinux_2_28 requirements/gpu.in -o requirements/gpu.lock
+
+gpu-check:        ## on a GPU machine: GPU tests + first benchmark, results under $$OUT (or ./gpu-out)
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf outputs multirun .pytest_cache

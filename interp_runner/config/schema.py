@@ -1,0 +1,194 @@
+"""The run configuration as the user writes it (after Hydra composition), validated by pydantic.
+
+Checks that need the model (layer ranges, hidden size, prompt lengths) live in the compiler; everything here is
+about the shape of the config itself. All models are frozen and refuse unknown keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Hook = Literal["pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"]
+# a layer selector: 3, [1, 5], "all", "2:6" (half-open range)
+LayerSelector = Union[int, list[int], str]
+# a prompt selector: 0, [0, 2], "all"
+PromptSelector = Union[int, list[int], Literal["all"]]
+VECTOR_SUFFIXES = (".npy", ".safetensors", ".pt", ".pth")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RandomDirection(Strict):
+    seed: int = 0
+    norm: float = Field(1.0, gt=0)
+
+
+class VectorSpec(Strict):
+    """Exactly one source: inline values, a file (.npy/.safetensors/.pt, ``key`` picks a tensor), a named
+    vector declared under ``vectors:``, or a seeded random direction."""
+
+    values: list[float] | None = None
+    file: str | None = None
+    key: str | None = None
+    name: str | None = None
+    random: RandomDirection | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, (list, tuple)):
+            return {"values": list(data)}
+        if isinstance(data, str):
+            return {"file": data} if data.endswith(VECTOR_SUFFIXES) else {"name": data}
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VectorSpec:
+        given = [f for f in ("values", "file", "name", "random") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of values, file, name, random (got {given or 'none'})")
+        if self.key is not None and self.file is None:
+            raise ValueError("'key' only applies to 'file'")
+        return self
+
+
+class SteerTerm(Strict):
+    layer: LayerSelector
+    vector: VectorSpec
+    scale: float = 1.0
+
+
+Terms = Union[SteerTerm, list[SteerTerm]]
+
+
+class Tier(Strict):
+    """Steering terms per hook point."""
+
+    pre_attn: Terms | None = None
+    attn_out: Terms | None = None
+    post_attn: Terms | None = None
+    mlp_out: Terms | None = None
+    post_block: Terms | None = None
+
+    def terms(self) -> list[tuple[str, int | None, SteerTerm]]:
+        """(hook, index within the hook's list or None, term) in hook order."""
+        out = []
+        for hook in ("pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"):
+            value = getattr(self, hook)
+            if isinstance(value, SteerTerm):
+                out.append((hook, None, value))
+            elif value is not None:
+                out.extend((hook, i, t) for i, t in enumerate(value))
+        return out
+
+
+class Tiers(Strict):
+    base: Tier = Tier()
+    prefill: Tier = Tier()
+    decode: Tier = Tier()
+
+
+class RequestSteering(Tiers):
+    prompts: PromptSelector
+
+
+class Steering(Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    global_: Tiers = Field(Tiers(), alias="global")
+    request: list[RequestSteering] = []
+
+
+CapturePositions = Union[Literal["last_prompt", "all_prompt", "all_generated", "all"], list[int]]
+
+
+class CaptureSpec(Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")] = "acts"
+    hooks: list[Hook] = Field(min_length=1)
+    layers: LayerSelector = "all"
+    positions: CapturePositions = "last_prompt"
+    prompts: PromptSelector = "all"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+
+class PromptItem(Strict):
+    text: str = Field(min_length=1)
+    id: str | None = None
+
+
+class Prompts(Strict):
+    items: list[Union[str, PromptItem]] = []
+    file: str | None = None  # JSONL, one {"text": ..., "id": ...} (or {"prompt": ...}) a line
+    chat_template: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Prompts:
+        if self.items and self.file:
+            raise ValueError("give either 'items' or 'file', not both")
+        return self
+
+
+class Sampling(Strict):
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = 0
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class EngineConfig(Strict):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    enforce_eager: bool = False
+    max_model_len: int = Field(2048, ge=16)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+
+class ModelConfig(Strict):
+    name: str
+    path: str | None = None  # a local HF folder; otherwise ``name`` is a built-in model
+
+
+class StoreConfig(Strict):
+    path: str | None = None  # default: <run dir>/results.zarr
+
+
+class ExperimentMeta(Strict):
+    name: str = "adhoc"
+    version: int = 1
+    description: str = ""
+
+
+class RunConfig(Strict):
+    experiment: ExperimentMeta = ExperimentMeta()
+    model: ModelConfig
+    engine: EngineConfig = EngineConfig()
+    prompts: Prompts
+    sampling: Sampling = Sampling()
+    vectors: dict[str, VectorSpec] = {}
+    steering: Steering = Steering()
+    capture: list[CaptureSpec] = []
+    store: StoreConfig = StoreConfig()
+    dry_run: bool = False
+
+    @model_validator(mode="after")
+    def _unique_capture_names(self) -> RunConfig:
+        names = [c.name for c in self.capture]
+        if len(names) != len(set(names)):
+            raise ValueError("capture entries need distinct 'name's")
+        return self
+
+
+def resolve_path(path: str, base: Path | None = None) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or base is None else base / p

@@ -1,0 +1,135 @@
+"""Engine adapter: runs a compiled plan on an embedded vLLM with the interp plugin, returns results by request."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .compiler import Plan
+from .config.schema import EngineConfig
+from .payload import EngineSpec, plugin_fingerprint
+from .plugin import ENABLE_ENV
+
+WORKER_EXTENSION = "interp_runner.plugin.runtime.InterpWorkerExtension"
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestResult:
+    rid: str
+    prompt_index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]  # of each sampled token
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    captures: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # site -> (positions, values)
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class VllmEngine:
+    """One vLLM engine with interp ops at the sites of ``spec``. Reusable for any plan whose sites it has."""
+
+    def __init__(self, model_path: str, cfg: EngineConfig, spec: EngineSpec):
+        os.environ[ENABLE_ENV] = "1"
+        if cfg.tensor_parallel_size == 1:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        kwargs = dict(
+            model=model_path,
+            dtype=cfg.dtype,
+            enforce_eager=cfg.enforce_eager,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            seed=cfg.seed,
+            worker_extension_cls=WORKER_EXTENSION,
+            additional_config=spec.as_additional_config(),
+        )
+        if cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        if cfg.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        elif not on_gpu():
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        else:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        self.spec = spec
+        self.llm = LLM(**kwargs)
+        self.status = self._check_plugin()
+        self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+    def _check_plugin(self) -> dict:
+        """vLLM swallows plugin load errors: make sure every worker really runs our ops before trusting it."""
+        statuses = self.llm.collective_rpc("interp_status")
+        expected = plugin_fingerprint()
+        num_layers = self.llm.llm_engine.model_config.hf_text_config.num_hidden_layers
+        for rank, status in enumerate(statuses):
+            if not status.get("loaded"):
+                raise EngineError(f"interp plugin is not active on worker {rank}: {status}")
+            if status["plugin"] != expected:
+                raise EngineError(f"worker {rank} runs plugin {status['plugin']}, this code is {expected}")
+            if len(status["instrumented_layers"]) != num_layers:
+                raise EngineError(
+                    f"worker {rank} instrumented {len(status['instrumented_layers'])} of {num_layers} layers"
+                )
+        return statuses[0]
+
+    def supports(self, spec: EngineSpec) -> bool:
+        return set(spec.steer_sites) <= set(self.spec.steer_sites) and set(spec.capture_sites) <= set(
+            self.spec.capture_sites
+        )
+
+    def run(self, plan: Plan, use_tqdm: bool = True) -> list[RequestResult]:
+        if not self.supports(plan.engine_spec):
+            raise EngineError("this engine was built for other interp sites than the plan needs")
+        if plan.vectors:
+            self.llm.collective_rpc(
+                "interp_register_vectors", args=({k: v.astype(np.float32).tobytes() for k, v in plan.vectors.items()},)
+            )
+        outputs = self.llm.generate(
+            [r.engine_prompt() for r in plan.requests],
+            [r.sampling_params() for r in plan.requests],
+            use_tqdm=use_tqdm,
+        )
+        rids = [r.rid for r in plan.requests]
+        captured = {}
+        for per_rank in self.llm.collective_rpc("interp_collect", args=(rids,)):
+            captured.update(per_rank)
+        results = []
+        for request, output in zip(plan.requests, outputs):
+            completion = output.outputs[0]
+            chosen, top = [], []
+            for token, entry in zip(completion.token_ids, completion.logprobs or []):
+                chosen.append(float(entry[token].logprob))
+                top.append(sorted(((t, float(lp.logprob)) for t, lp in entry.items()), key=lambda x: -x[1]))
+            results.append(
+                RequestResult(
+                    rid=request.rid,
+                    prompt_index=request.prompt.index,
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    logprobs=chosen,
+                    top_logprobs=top if request.sampling.get("logprobs") else None,
+                    captures=captured.get(request.rid, {}),
+                )
+            )
+        return results
+
+    def close(self) -> None:
+        import gc
+
+        del self.llm
+        gc.collect()

@@ -1,0 +1,1 @@
+"""Model materialization helpers (see materialize.py)."""

@@ -1,0 +1,51 @@
+"""What the compiler needs to know about a model, read from its folder without starting an engine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .architectures import DECODER_LAYERS
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    path: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    weights_sha256: str
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ModelFacts:
+        config = json.loads((folder / "config.json").read_text())
+        architecture = (config.get("architectures") or ["<none>"])[0]
+        text = config.get("text_config", config)
+        return cls(
+            path=str(folder),
+            architecture=architecture,
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            vocab_size=int(text["vocab_size"]),
+            weights_sha256=weights_sha256(folder),
+        )
+
+    @property
+    def supported(self) -> bool:
+        return self.architecture in DECODER_LAYERS
+
+
+def weights_sha256(folder: Path) -> str:
+    """sha256 over the folder's safetensors files (cached in ``weights.sha256`` when the folder has one)."""
+    recorded = folder / "weights.sha256"
+    if recorded.exists():
+        return recorded.read_text().split()[0]
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()

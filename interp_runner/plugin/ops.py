@@ -1,0 +1,31 @@
+"""The interp custom op. One op serves every site; what it does there is read from persistent buffers.
+
+``interp::site(x, extra, site)`` returns ``x`` plus the row's steering vector for that site, and, on steps that
+capture, copies the selected rows of the resulting value (plus ``extra``: the other half of the residual stream
+that vLLM keeps apart) out before any later op can change them in place.
+"""
+
+import torch
+
+from typing import Optional
+
+from . import runtime
+
+_ops_registered = False
+
+
+def _site_impl(x: torch.Tensor, extra: Optional[torch.Tensor], site: int) -> torch.Tensor:
+    return runtime.active_state().apply_site(x, extra, site)
+
+
+def register_ops() -> None:
+    global _ops_registered
+    if _ops_registered:
+        return
+    op = torch.library.custom_op("interp::site", mutates_args=())(_site_impl)
+    op.register_fake(lambda x, extra, site: torch.empty_like(x))
+    _ops_registered = True
+
+
+def apply_site(x: torch.Tensor, extra: torch.Tensor | None, site: int) -> torch.Tensor:
+    return torch.ops.interp.site(x, extra, site)

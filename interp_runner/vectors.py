@@ -1,0 +1,78 @@
+"""Loading steering vectors from their configured sources, with errors that name the config key."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+
+from .config.errors import ConfigError
+from .config.schema import VectorSpec, resolve_path
+
+
+def random_direction(seed: int, norm: float, size: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(size)
+    return (v / np.linalg.norm(v) * norm).astype(np.float32)
+
+
+def _load_file(path: Path, key: str | None, where: str) -> np.ndarray:
+    if not path.exists():
+        raise ConfigError.at(where + ".file", f"vector file not found: {path}")
+    suffix = path.suffix
+    if suffix == ".npy":
+        try:
+            return np.load(path, allow_pickle=False)
+        except ValueError as err:
+            raise ConfigError.at(where + ".file", f"{path} is not a plain numeric .npy ({err})") from None
+    if suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(path))
+        return _pick(tensors, key, path, where)
+    import torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as err:
+        raise ConfigError.at(where + ".file", f"{path} does not hold plain tensors ({type(err).__name__})") from None
+    if isinstance(obj, dict):
+        obj = _pick(obj, key, path, where)
+    if not isinstance(obj, torch.Tensor):
+        raise ConfigError.at(where + ".file", f"{path} holds a {type(obj).__name__}, not a tensor")
+    return obj.detach().float().numpy()
+
+
+def _pick(tensors: dict, key: str | None, path: Path, where: str):
+    if key is None:
+        if len(tensors) != 1:
+            raise ConfigError.at(where + ".key", f"{path} holds {sorted(tensors)}: say which with 'key'")
+        return next(iter(tensors.values()))
+    if key not in tensors:
+        raise ConfigError.at(where + ".key", f"no tensor {key!r} in {path} (has {sorted(tensors)})")
+    return tensors[key]
+
+
+def load_vector(
+    spec: VectorSpec, where: str, hidden_size: int, named: dict[str, np.ndarray], base: Path | None
+) -> np.ndarray:
+    """The vector as float32 [hidden_size]; ``where`` is the config key path of ``spec``."""
+    if spec.name is not None:
+        if spec.name not in named:
+            raise ConfigError.at(where, f"no vector named {spec.name!r} under 'vectors' (has {sorted(named)})")
+        return named[spec.name]
+    if spec.values is not None:
+        vec = np.asarray(spec.values, dtype=np.float64)
+    elif spec.random is not None:
+        vec = random_direction(spec.random.seed, spec.random.norm, hidden_size)
+    else:
+        vec = _load_file(resolve_path(spec.file, base), spec.key, where)
+    vec = np.asarray(vec)
+    if not np.issubdtype(vec.dtype, np.number):
+        raise ConfigError.at(where, f"vector has non-numeric dtype {vec.dtype}")
+    vec = vec.astype(np.float64).squeeze()
+    if vec.shape != (hidden_size,):
+        raise ConfigError.at(where, f"vector has shape {list(vec.shape)}, model hidden size is {hidden_size}")
+    if not np.isfinite(vec).all():
+        raise ConfigError.at(where, "vector contains NaN or inf")
+    return vec.astype(np.float32)
