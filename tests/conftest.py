@@ -54,3 +54,57 @@ def base_config(model: str = "tiny_random", **overrides) -> dict:
     }
     cfg.update(overrides)
     return cfg
+
+
+ALL_HOOKS = ["pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"]
+
+
+def every_site(num_layers: int) -> tuple[int, ...]:
+    from interp_runner.sites import site_id
+
+    return tuple(sorted(site_id(layer, hook) for layer in range(num_layers) for hook in ALL_HOOKS))
+
+
+def build_engine(path: Path, steer_sites, capture_sites, **engine):
+    from interp_runner.config.schema import EngineConfig
+    from interp_runner.engine import VllmEngine
+    from interp_runner.payload import EngineSpec
+
+    settings = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 16, **engine}
+    return VllmEngine(str(path), EngineConfig(**settings), EngineSpec(tuple(steer_sites), tuple(capture_sites)))
+
+
+def run_config(engine, config: dict, **sampling_extra):
+    """Compile ``config`` (a plain dict) and run it on ``engine``; results in prompt order."""
+    from interp_runner.pipeline import prepare
+
+    plan = prepare(config).plan
+    for request in plan.requests:
+        request.sampling.update(sampling_extra)
+    results = engine.run(plan, use_tqdm=False)
+    return plan, sorted(results, key=lambda r: r.prompt_index)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_path):
+    """tiny_random, fp32, eager; ops at every site."""
+    sites = every_site(4)
+    engine = build_engine(tiny_path, sites, sites)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_path):
+    """SmolLM2, fp32, eager; ops at every site."""
+    sites = every_site(30)
+    engine = build_engine(smollm2_path, sites, sites)
+    yield engine
+    engine.close()
+
+
+def rel_err(a, b) -> float:
+    """Largest per-row relative error ||a - b|| / ||b|| (the norm is over the hidden dimension)."""
+    import numpy as np
+
+    return float((np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)).max())

@@ -1,0 +1,120 @@
+"""Engine behaviour on tiny_random: batch isolation, prefix caching, compiled mode (CPU, fp32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hf_oracle
+from conftest import ALL_HOOKS, build_engine, every_site, rel_err, run_config
+from interp_runner.sites import site_id
+from interp_runner.vectors import random_direction
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["The Eiffel Tower is located in the city of", "Hello, my name is", "1 2 3 4 5", "def main():"]
+# longer than two 128-token KV blocks (the CPU backend's block size), so prefix caching has full blocks to share
+LONG = " ".join(f"item {i} is a {'red' if i % 3 else 'blue'} box," for i in range(60))
+
+
+def config(prompts=PROMPTS, **parts) -> dict:
+    cfg = {
+        "model": {"name": "tiny_random"},
+        "engine": {"dtype": "float32", "max_model_len": 1024},
+        "prompts": {"items": prompts},
+        "sampling": {"max_tokens": 6, "logprobs": 5},
+    }
+    cfg.update(parts)
+    return cfg
+
+
+def vector(seed=0, norm=4.0):
+    return random_direction(seed=seed, norm=norm, size=128).tolist()
+
+
+def test_mixed_batch_unsteered_requests_are_bit_identical(tiny_engine):
+    steering = {"request": [{"prompts": [1], "base": {"post_block": {"layer": "all", "vector": vector()}}},
+                            {"prompts": [3], "prefill": {"pre_attn": {"layer": 0, "vector": vector(1)}}}]}
+    # both batches compute every prompt token (no cache reads), so the batch layout is the same
+    _, mixed = run_config(tiny_engine, config(steering=steering), skip_reading_prefix_cache=True)
+    _, plain = run_config(tiny_engine, config(), skip_reading_prefix_cache=True)
+    for i in (0, 2):
+        assert mixed[i].token_ids == plain[i].token_ids
+        assert mixed[i].logprobs == plain[i].logprobs
+        assert mixed[i].top_logprobs == plain[i].top_logprobs
+    assert mixed[1].logprobs != plain[1].logprobs and mixed[3].logprobs != plain[3].logprobs
+
+
+def test_steering_and_capture_match_hf(tiny_engine, tiny_path):
+    vec = np.asarray(vector(2, 3.0), dtype=np.float32)
+    steering = {"global": {"base": {"mlp_out": {"layer": 2, "vector": vec.tolist()}}}}
+    capture = [{"hooks": ALL_HOOKS, "layers": "all", "positions": "all_prompt"}]
+    plan, results = run_config(tiny_engine, config(steering=steering, capture=capture))
+    for request, result in zip(plan.requests, results):
+        ids = list(request.prompt.token_ids)
+        tokens, logprobs = hf_oracle.greedy(tiny_path, ids, 6, steer={(2, "mlp_out"): vec})
+        assert result.token_ids == tokens
+        np.testing.assert_allclose(result.logprobs, logprobs, atol=1e-4)
+        _, ref = hf_oracle.forward(tiny_path, ids, {(2, "mlp_out"): vec})
+        for (layer, hook), want in ref.items():
+            positions, got = result.captures[site_id(layer, hook)]
+            assert positions.tolist() == list(range(len(ids)))
+            assert rel_err(got, want) <= 1e-4, (layer, hook)
+
+
+def test_prefix_cache_never_mixes_steered_and_unsteered_kv(tiny_engine):
+    steered = {"global": {"prefill": {"post_block": {"layer": 1, "vector": vector(3)}}}}
+    # reference results computed without reading the cache
+    _, fresh_plain = run_config(tiny_engine, config([LONG]), skip_reading_prefix_cache=True)
+    _, fresh_steered = run_config(tiny_engine, config([LONG], steering=steered), skip_reading_prefix_cache=True)
+    # the unsteered prompt is now cached: a prefill-steered request must not reuse its KV, and vice versa
+    _, steered_after_plain = run_config(tiny_engine, config([LONG], steering=steered))
+    _, plain_after_steered = run_config(tiny_engine, config([LONG]))
+    np.testing.assert_allclose(steered_after_plain[0].logprobs, fresh_steered[0].logprobs, atol=1e-5)
+    np.testing.assert_allclose(plain_after_steered[0].logprobs, fresh_plain[0].logprobs, atol=1e-5)
+    assert abs(fresh_plain[0].logprobs[0] - fresh_steered[0].logprobs[0]) > 1e-3
+
+
+def test_capture_of_a_cached_prompt_returns_every_position(tiny_engine):
+    _, first = run_config(tiny_engine, config([LONG]))  # fills the prefix cache
+    capture = [{"hooks": ["post_block"], "layers": [0, 3], "positions": "all_prompt"}]
+    plan, again = run_config(tiny_engine, config([LONG], capture=capture))
+    n = len(plan.requests[0].prompt.token_ids)
+    assert n > 256
+    for layer in (0, 3):
+        positions, values = again[0].captures[site_id(layer, "post_block")]
+        assert positions.tolist() == list(range(n))
+        assert np.isfinite(values).all()
+    assert again[0].token_ids == first[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(tiny_path):
+    sites = every_site(4)
+    engine = build_engine(tiny_path, sites, sites, enforce_eager=False)
+    yield engine
+    engine.close()
+
+
+def test_compiled_mode_steering_and_capture_match_hf(compiled_engine, tiny_path):
+    from vllm.config import CompilationMode
+
+    assert compiled_engine.llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
+    vec = np.asarray(vector(4, 3.0), dtype=np.float32)
+    steering = {"request": [{"prompts": [0, 2], "base": {"post_attn": {"layer": 1, "vector": vec.tolist()}}}]}
+    capture = [{"hooks": ["pre_attn", "post_block", "mlp_out"], "layers": "all", "positions": "all"}]
+    plan, results = run_config(compiled_engine, config(steering=steering, capture=capture))
+    for request, result in zip(plan.requests, results):
+        ids = list(request.prompt.token_ids)
+        steer = {(1, "post_attn"): vec} if request.prompt.index in (0, 2) else None
+        tokens, logprobs = hf_oracle.greedy(tiny_path, ids, 6, steer=steer)
+        assert result.token_ids == tokens
+        np.testing.assert_allclose(result.logprobs, logprobs, atol=1e-4)
+        full = ids + result.token_ids[:-1]
+        _, ref = hf_oracle.forward(tiny_path, full, steer)
+        for layer in range(4):
+            for hook in ("pre_attn", "post_block", "mlp_out"):
+                positions, got = result.captures[site_id(layer, hook)]
+                assert positions.tolist() == list(range(len(full)))
+                assert rel_err(got, ref[(layer, hook)]) <= 1e-4, (layer, hook)
