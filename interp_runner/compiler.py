@@ -17,7 +17,6 @@ import numpy as np
 from .config.errors import ConfigError
 from .config.schema import CaptureSpec, RunConfig, Tiers, resolve_path
 from .models.facts import ModelFacts
-from .models.architectures import DECODER_LAYERS
 from .payload import DECODE, PAYLOAD_KEY, PREFILL, EngineSpec, pack_positions, vector_key
 from .sites import site_id
 from .vectors import load_vector
@@ -85,6 +84,8 @@ def parse_layers(selector, num_layers: int, where: str) -> list[int]:
             raise ConfigError.at(where, f"{selector!r} selects no layer, model has {num_layers} layers")
         return layers
     layers = [selector] if isinstance(selector, int) else list(selector)
+    if len(set(layers)) != len(layers):
+        raise ConfigError.at(where, f"layers repeat: {layers}")
     for i, layer in enumerate(layers):
         if not 0 <= layer < num_layers:
             sub = where if isinstance(selector, int) else f"{where}[{i}]"
@@ -160,10 +161,6 @@ def compile_plan(
     base: Path | None = None,
 ) -> Plan:
     """Validate ``cfg`` against the model and turn it into engine requests."""
-    if facts.architecture not in DECODER_LAYERS:
-        raise ConfigError.at(
-            "model", f"unsupported architecture {facts.architecture}; supported: {', '.join(DECODER_LAYERS)}"
-        )
     prompts = load_prompts(cfg, tokenize, base)
     max_len = max(len(p.token_ids) for p in prompts) + cfg.sampling.max_tokens
     if max_len > cfg.engine.max_model_len:

@@ -13,7 +13,8 @@ from pathlib import Path
 from . import provenance
 from .compiler import Plan, compile_plan
 from .config import ConfigError, RunConfig, validate_config
-from .models.facts import ModelFacts
+from .config.schema import resolve_path
+from .models.facts import ModelFacts, UnsupportedModel
 from .models.materialize import model_path
 from .store import STATUS_COMPLETE, STATUS_FAILED, mark, open_store, results_dataset, write_results
 
@@ -39,13 +40,19 @@ def load_tokenizer(folder: Path, chat_template: bool) -> Callable[[str], list[in
 def prepare(config: dict, base: Path | None = None) -> Prepared:
     """Everything that can fail on bad input, done before any engine starts."""
     cfg = validate_config(config)
+    if cfg.model.path:
+        folder = resolve_path(cfg.model.path, base)
+        if not (folder / "config.json").exists():
+            raise ConfigError.at("model.path", f"{folder} is not a model folder (no config.json)")
+    else:
+        try:
+            folder = model_path(cfg.model.name)
+        except FileNotFoundError as err:
+            raise ConfigError.at("model.name", str(err)) from None
     try:
-        folder = Path(cfg.model.path).expanduser() if cfg.model.path else model_path(cfg.model.name)
-    except (FileNotFoundError, KeyError) as err:
+        facts = ModelFacts.from_folder(folder)
+    except UnsupportedModel as err:
         raise ConfigError.at("model", str(err)) from None
-    if not (folder / "config.json").exists():
-        raise ConfigError.at("model.path", f"{folder} is not a model folder (no config.json)")
-    facts = ModelFacts.from_folder(folder)
     plan = compile_plan(cfg, facts, load_tokenizer(folder, cfg.prompts.chat_template), base)
     return Prepared(cfg, facts, plan)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +22,21 @@ def _load_file(path: Path, key: str | None, where: str) -> np.ndarray:
     if suffix == ".npy":
         try:
             return np.load(path, allow_pickle=False)
-        except ValueError as err:
+        except (ValueError, EOFError, OSError) as err:
             raise ConfigError.at(where + ".file", f"{path} is not a plain numeric .npy ({err})") from None
     if suffix == ".safetensors":
         from safetensors.numpy import load_file
 
-        tensors = load_file(str(path))
+        try:
+            tensors = load_file(str(path))
+        except Exception as err:  # safetensors raises its own error types for damaged files
+            raise ConfigError.at(where + ".file", f"{path} is not a readable .safetensors ({err})") from None
         return _pick(tensors, key, path, where)
     import torch
 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as err:
+    except Exception as err:  # weights_only refuses any pickle that is not plain tensors and containers
         raise ConfigError.at(where + ".file", f"{path} does not hold plain tensors ({type(err).__name__})") from None
     if isinstance(obj, dict):
         obj = _pick(obj, key, path, where)

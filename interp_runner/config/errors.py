@@ -49,7 +49,7 @@ def validate_config(data: dict[str, Any]) -> RunConfig:
         problems: dict[str, str] = {}
         for e in err.errors():
             path = key_path(_clean_loc(e["loc"])) or "<root>"
-            reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+            reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
             if e["type"] == "missing":
                 reason = "required key is missing"
             problems.setdefault(path, reason)  # union branches repeat a path; the first reason is enough

@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 Hook = Literal["pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"]
 # a layer selector: 3, [1, 5], "all", "2:6" (half-open range)
-LayerSelector = Union[int, list[int], str]
+IndexList = Annotated[list[StrictInt], Field(min_length=1)]
+LayerSelector = Union[StrictInt, IndexList, str]
 # a prompt selector: 0, [0, 2], "all"
-PromptSelector = Union[int, list[int], Literal["all"]]
+PromptSelector = Union[StrictInt, IndexList, Literal["all"]]
 VECTOR_SUFFIXES = (".npy", ".safetensors", ".pt", ".pth")
 
 
@@ -52,8 +53,8 @@ class VectorSpec(Strict):
         given = [f for f in ("values", "file", "name", "random") if getattr(self, f) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of values, file, name, random (got {given or 'none'})")
-        if self.key is not None and self.file is None:
-            raise ValueError("'key' only applies to 'file'")
+        if self.key is not None and (self.file is None or self.file.endswith(".npy")):
+            raise ValueError("'key' only applies to a .safetensors or .pt file")
         return self
 
 
@@ -104,12 +105,19 @@ class Steering(Strict):
     request: list[RequestSteering] = []
 
 
-CapturePositions = Union[Literal["last_prompt", "all_prompt", "all_generated", "all"], list[int]]
+CapturePositions = Union[Literal["last_prompt", "all_prompt", "all_generated", "all"], IndexList]
 
 
 class CaptureSpec(Strict):
     name: Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")] = "acts"
     hooks: list[Hook] = Field(min_length=1)
+
+    @field_validator("hooks")
+    @classmethod
+    def _distinct_hooks(cls, hooks: list[str]) -> list[str]:
+        if len(hooks) != len(set(hooks)):
+            raise ValueError(f"hooks repeat: {hooks}")
+        return hooks
     layers: LayerSelector = "all"
     positions: CapturePositions = "last_prompt"
     prompts: PromptSelector = "all"
@@ -181,12 +189,13 @@ class RunConfig(Strict):
     store: StoreConfig = StoreConfig()
     dry_run: bool = False
 
-    @model_validator(mode="after")
-    def _unique_capture_names(self) -> RunConfig:
-        names = [c.name for c in self.capture]
+    @field_validator("capture")
+    @classmethod
+    def _unique_capture_names(cls, capture: list[CaptureSpec]) -> list[CaptureSpec]:
+        names = [c.name for c in capture]
         if len(names) != len(set(names)):
-            raise ValueError("capture entries need distinct 'name's")
-        return self
+            raise ValueError(f"capture entries need distinct names (got {names})")
+        return capture
 
 
 def resolve_path(path: str, base: Path | None = None) -> Path:

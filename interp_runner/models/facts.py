@@ -10,6 +10,10 @@ from pathlib import Path
 from .architectures import DECODER_LAYERS
 
 
+class UnsupportedModel(ValueError):
+    pass
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     path: str
@@ -23,6 +27,10 @@ class ModelFacts:
     def from_folder(cls, folder: Path) -> ModelFacts:
         config = json.loads((folder / "config.json").read_text())
         architecture = (config.get("architectures") or ["<none>"])[0]
+        if architecture not in DECODER_LAYERS:
+            raise UnsupportedModel(
+                f"unsupported architecture {architecture}; supported: {', '.join(DECODER_LAYERS)}"
+            )
         text = config.get("text_config", config)
         return cls(
             path=str(folder),
@@ -32,10 +40,6 @@ class ModelFacts:
             vocab_size=int(text["vocab_size"]),
             weights_sha256=weights_sha256(folder),
         )
-
-    @property
-    def supported(self) -> bool:
-        return self.architecture in DECODER_LAYERS
 
 
 def weights_sha256(folder: Path) -> str:

@@ -1,0 +1,533 @@
+"""Config validation: every bad input is a ConfigError naming the exact key path, before any engine starts.
+
+Covers the pydantic schema (shape of the config), the checks that need the model (layers, hidden size, prompt
+lengths, architecture), vector files of every kind, the CLI's exit code 2, and that every shipped experiment
+composes with Hydra and compiles.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from conftest import REPO, base_config
+from interp_runner.config import ConfigError, validate_config
+from interp_runner.pipeline import prepare
+
+HIDDEN = 128  # tiny_random
+V = [0.25] * HIDDEN
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cached_tokenizers():
+    """prepare() loads the tokenizer on every call (~0.4 s): load each one once for this module."""
+    import functools
+
+    from interp_runner import pipeline
+
+    original = pipeline.load_tokenizer
+    pipeline.load_tokenizer = functools.lru_cache(maxsize=None)(original)
+    yield
+    pipeline.load_tokenizer = original
+
+
+def problems(config: dict, base: Path | None = None) -> dict[str, str]:
+    with pytest.raises(ConfigError) as err:
+        prepare(config, base=base)
+    found = err.value.problems
+    assert found and all(isinstance(p, tuple) and len(p) == 2 for p in found)
+    # the message lists every problem as "path: reason"
+    for path, reason in found:
+        assert f"{path}: {reason}" in str(err.value)
+    return dict(found)
+
+
+def assert_problem(config: dict, path: str, fragment: str, base: Path | None = None, only: bool = True) -> None:
+    found = problems(config, base)
+    assert path in found, f"expected a problem at {path!r}, got {found}"
+    assert fragment in found[path], f"{path}: {found[path]!r} does not say {fragment!r}"
+    if only:
+        assert list(found) == [path], found
+
+
+def steer_global(vector, tier: str = "base", hook: str = "post_block", layer=0, **extra) -> dict:
+    return base_config(steering={"global": {tier: {hook: {"layer": layer, "vector": vector}}}}, **extra)
+
+
+VEC = "steering.global.base.post_block.vector"
+
+
+# ---------------------------------------------------------------- shape of the config (pydantic)
+
+
+def test_unknown_top_level_key():
+    assert_problem(base_config(bogus=1), "bogus", "unknown key")
+
+
+def test_unknown_nested_key():
+    config = base_config(steering={"global": {"base": {"post_blok": {"layer": 0, "vector": V}}}})
+    assert_problem(config, "steering.global.base.post_blok", "unknown key")
+
+
+def test_unknown_key_deep_in_a_request_term():
+    config = base_config(
+        steering={"request": [{"prompts": 0, "decode": {"mlp_out": [{"layer": 0, "vector": V, "scael": 2}]}}]}
+    )
+    assert_problem(config, "steering.request[0].decode.mlp_out[0].scael", "unknown key")
+
+
+def test_unknown_key_in_capture_and_engine():
+    found = problems(base_config(capture=[{"hooks": ["post_block"], "layer": 1}]))
+    assert found == {"capture[0].layer": "unknown key"}
+    found = problems(base_config(engine={"max_model_length": 100}))
+    assert found == {"engine.max_model_length": "unknown key"}
+
+
+def test_missing_required_key():
+    config = base_config()
+    del config["prompts"]
+    assert_problem(config, "prompts", "required key is missing")
+    assert_problem(base_config(capture=[{"name": "x"}]), "capture[0].hooks", "required key is missing")
+
+
+def test_unknown_hook_in_capture():
+    assert_problem(base_config(capture=[{"hooks": ["resid_post"]}]), "capture[0].hooks[0]", "post_block")
+
+
+def test_unknown_hook_in_capture_second_entry():
+    config = base_config(capture=[{"hooks": ["post_block"]}, {"name": "b", "hooks": ["mlp_out", "mlp"]}])
+    assert_problem(config, "capture[1].hooks[1]", "'pre_attn', 'attn_out', 'post_attn', 'mlp_out' or 'post_block'")
+
+
+def test_capture_needs_a_hook():
+    assert_problem(base_config(capture=[{"hooks": []}]), "capture[0].hooks", "at least 1")
+
+
+def test_bad_capture_positions_keyword():
+    found = problems(base_config(capture=[{"hooks": ["post_block"], "positions": "last"}]))
+    assert list(found) == ["capture[0].positions"], found
+
+
+def test_bad_capture_name_and_dtype():
+    assert_problem(base_config(capture=[{"name": "1st", "hooks": ["post_block"]}]), "capture[0].name", "pattern")
+    found = problems(base_config(capture=[{"hooks": ["post_block"], "dtype": "int8"}]))
+    assert list(found) == ["capture[0].dtype"] and "float32" in found["capture[0].dtype"]
+
+
+def test_two_sources_for_one_vector():
+    found = problems(steer_global({"values": V, "random": {"seed": 0, "norm": 1.0}}))
+    assert list(found) == [VEC]
+    assert "exactly one of values, file, name, random" in found[VEC] and "'values', 'random'" in found[VEC]
+
+
+def test_no_source_for_a_vector():
+    assert_problem(steer_global({}), VEC, "exactly one of values, file, name, random (got none)")
+
+
+def test_key_without_file():
+    assert_problem(steer_global({"values": V, "key": "a"}), VEC, "'key' only applies to a .safetensors or .pt file")
+
+
+def test_random_norm_must_be_positive():
+    assert_problem(steer_global({"random": {"seed": 0, "norm": 0}}), VEC + ".random.norm", "greater than 0")
+
+
+def test_sampling_and_engine_ranges():
+    assert_problem(base_config(sampling={"max_tokens": 0}), "sampling.max_tokens", "greater than or equal to 1")
+    assert_problem(base_config(sampling={"logprobs": 21}), "sampling.logprobs", "less than or equal to 20")
+    assert_problem(base_config(sampling={"temperature": -1}), "sampling.temperature", "greater than or equal")
+    found = problems(base_config(engine={"dtype": "float64"}))
+    assert list(found) == ["engine.dtype"]
+
+
+def test_items_and_file_together():
+    assert_problem(base_config(prompts={"items": ["a"], "file": "p.jsonl"}), "prompts", "either 'items' or 'file'")
+
+
+def test_empty_prompt_text():
+    assert_problem(base_config(prompts={"items": [{"text": ""}]}), "prompts.items[0].text", "at least 1 character")
+
+
+def test_duplicate_capture_names():
+    # both entries default to name "acts"
+    config = base_config(capture=[{"hooks": ["post_block"]}, {"hooks": ["mlp_out"]}])
+    found = problems(config)
+    assert len(found) == 1
+    ((path, reason),) = found.items()
+    assert "distinct names" in reason
+    # the problem must name a config key, not the root of the config
+    assert path in ("capture", "capture[1].name"), found
+
+
+def test_several_problems_reported_together():
+    config = base_config(bogus=1, sampling={"max_tokens": 0}, capture=[{"hooks": ["nope"]}])
+    found = problems(config)
+    assert {"bogus", "sampling.max_tokens", "capture[0].hooks[0]"} <= set(found)
+
+
+def test_validate_config_alone_needs_no_model():
+    cfg = validate_config(base_config(steering={"global": {"base": {"post_block": {"layer": 400, "vector": V}}}}))
+    assert cfg.steering.global_.base.post_block.layer == 400  # range checks need the model: the compiler's job
+
+
+# ---------------------------------------------------------------- checks against the model (compiler)
+
+
+def test_layer_out_of_range_in_third_request_entry():
+    entry = {"prompts": [0], "base": {"post_block": {"layer": 1, "vector": V}}}
+    bad = {"prompts": [1], "prefill": {"post_block": {"layer": 40, "vector": V}}}
+    config = base_config(steering={"request": [entry, entry, bad]})
+    assert_problem(config, "steering.request[2].prefill.post_block.layer", "40 out of range, model has 4 layers")
+
+
+def test_layer_in_a_list_out_of_range():
+    assert_problem(steer_global(V, layer=[0, 9]), "steering.global.base.post_block.layer[1]",
+                   "9 out of range, model has 4 layers")
+
+
+def test_negative_layer_out_of_range():
+    assert_problem(steer_global(V, layer=-1), "steering.global.base.post_block.layer", "-1 out of range")
+
+
+def test_layer_in_a_term_list_out_of_range():
+    config = base_config(steering={"global": {"decode": {"attn_out": [
+        {"layer": 0, "vector": V}, {"layer": [1, 2, 4], "vector": V}]}}})
+    assert_problem(config, "steering.global.decode.attn_out[1].layer[2]", "4 out of range, model has 4 layers")
+
+
+def test_layer_range_selecting_nothing():
+    assert_problem(steer_global(V, layer="5:9"), "steering.global.base.post_block.layer", "selects no layer")
+
+
+def test_layer_selector_garbage():
+    for selector in ("x", "1:2:3", "-1", "a:b"):
+        assert_problem(steer_global(V, layer=selector), "steering.global.base.post_block.layer",
+                       "is not a layer selector")
+
+
+def test_capture_layers_out_of_range():
+    assert_problem(base_config(capture=[{"hooks": ["post_block"], "layers": 4}]), "capture[0].layers",
+                   "4 out of range, model has 4 layers")
+    assert_problem(base_config(capture=[{"hooks": ["post_block"], "layers": [0, 1, 7]}]), "capture[0].layers[2]",
+                   "7 out of range, model has 4 layers")
+    assert_problem(base_config(capture=[{"hooks": ["post_block"], "layers": "6:"}]), "capture[0].layers",
+                   "selects no layer")
+
+
+@pytest.mark.parametrize(
+    "config, path",
+    [
+        (steer_global(V, layer=[]), "steering.global.base.post_block.layer"),
+        (base_config(steering={"request": [{"prompts": [], "base": {"post_block": {"layer": 0, "vector": V}}}]}),
+         "steering.request[0].prompts"),
+        (base_config(capture=[{"hooks": ["post_block"], "layers": []}]), "capture[0].layers"),
+        (base_config(capture=[{"hooks": ["post_block"], "positions": []}]), "capture[0].positions"),
+    ],
+    ids=["steer-layers", "steer-prompts", "capture-layers", "capture-positions"],
+)
+def test_empty_selectors_are_rejected(config, path):
+    """An empty list would silently steer or capture nothing (as 'hooks: []' and '5:9' already are errors)."""
+    found = problems(config)
+    assert list(found) == [path], found
+
+
+def test_vector_length_differs_from_hidden_size():
+    assert_problem(steer_global([1.0] * 127), VEC, "vector has shape [127], model hidden size is 128")
+    assert_problem(base_config(vectors={"v": [1.0, 2.0]}), "vectors.v", "model hidden size is 128")
+
+
+def test_vector_length_in_second_term_of_a_list():
+    config = base_config(steering={"global": {"base": {"post_block": [
+        {"layer": 0, "vector": V}, {"layer": 1, "vector": [1.0] * 5}]}}})
+    assert_problem(config, "steering.global.base.post_block[1].vector", "vector has shape [5]")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_inline_vector(bad):
+    values = list(V)
+    values[7] = bad
+    assert_problem(steer_global(values), VEC, "NaN or inf")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_npy_vector(tmp_path, bad):
+    values = np.ones(HIDDEN, dtype=np.float32)
+    values[3] = bad
+    np.save(tmp_path / "v.npy", values)
+    assert_problem(steer_global("v.npy"), VEC, "NaN or inf", base=tmp_path)
+    assert_problem(base_config(vectors={"w": {"file": "v.npy"}}), "vectors.w", "NaN or inf", base=tmp_path)
+
+
+def test_missing_vector_file(tmp_path):
+    assert_problem(steer_global("nowhere.npy"), VEC + ".file", "vector file not found", base=tmp_path)
+    found = problems(steer_global({"file": "sub/nowhere.safetensors", "key": "a"}), base=tmp_path)
+    assert found == {VEC + ".file": f"vector file not found: {tmp_path / 'sub' / 'nowhere.safetensors'}"}
+
+
+def test_object_npy(tmp_path):
+    np.save(tmp_path / "o.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    assert_problem(steer_global("o.npy"), VEC + ".file", "is not a plain numeric .npy", base=tmp_path)
+
+
+def test_non_numeric_npy(tmp_path):
+    np.save(tmp_path / "s.npy", np.array(["a"] * HIDDEN))
+    assert_problem(steer_global("s.npy"), VEC, "non-numeric dtype", base=tmp_path)
+
+
+def test_npy_with_wrong_shape(tmp_path):
+    np.save(tmp_path / "m.npy", np.ones((2, HIDDEN), dtype=np.float32))
+    assert_problem(steer_global("m.npy"), VEC, "vector has shape [2, 128]", base=tmp_path)
+
+
+class NotATensor:
+    def __init__(self):
+        self.payload = 1
+
+
+def test_pt_with_a_pickled_class_instance(tmp_path):
+    torch.save({"a": NotATensor()}, tmp_path / "evil.pt")  # torch.save pickles it; weights_only refuses it
+    assert_problem(steer_global("evil.pt"), VEC + ".file", "does not hold plain tensors", base=tmp_path)
+
+
+def test_pt_written_with_plain_pickle(tmp_path):
+    with open(tmp_path / "set.pt", "wb") as f:
+        pickle.dump({"a": {1, 2}, "b": NotATensor()}, f)
+    assert_problem(steer_global("set.pt"), VEC + ".file", "does not hold plain tensors", base=tmp_path)
+
+
+CORRUPT_FILES = {
+    "junk.pt": b"this is not a checkpoint",
+    "empty.pt": b"",
+    "zip.pth": b"PK\x03\x04 not really a zip",
+    "empty.npy": b"",
+    "pickle.npy": b"garbage",
+    "short.npy": b"\x93NUMPY\x01\x00v\x00{'descr': '<f4', 'fortran_order': False, 'shape': (128,), }",
+    "bad.safetensors": b"definitely not a safetensors file",
+    "empty.safetensors": b"",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPT_FILES))
+def test_corrupt_vector_file(tmp_path, name):
+    """A file that cannot be read is a config error at the vector's file key, whatever the reader raises."""
+    (tmp_path / name).write_bytes(CORRUPT_FILES[name])
+    found = problems(steer_global(name), base=tmp_path)
+    assert list(found) == [VEC + ".file"], found
+    assert name in found[VEC + ".file"]
+
+
+def test_pt_holding_a_non_tensor(tmp_path):
+    torch.save([1.0, 2.0], tmp_path / "l.pt")
+    assert_problem(steer_global("l.pt"), VEC + ".file", "holds a list, not a tensor", base=tmp_path)
+    torch.save({"only": 3}, tmp_path / "d.pt")
+    assert_problem(steer_global("d.pt"), VEC + ".file", "holds a int, not a tensor", base=tmp_path)
+
+
+def test_pt_dict_of_several_tensors_needs_a_key(tmp_path):
+    torch.save({"a": torch.ones(HIDDEN), "b": torch.zeros(HIDDEN)}, tmp_path / "two.pt")
+    assert_problem(steer_global("two.pt"), VEC + ".key", "say which with 'key'", base=tmp_path)
+    assert_problem(steer_global({"file": "two.pt", "key": "c"}), VEC + ".key", "no tensor 'c'", base=tmp_path)
+
+
+def test_safetensors_with_the_wrong_key(tmp_path):
+    save_file({"love": np.ones(HIDDEN, np.float32), "hate": np.zeros(HIDDEN, np.float32)},
+              str(tmp_path / "v.safetensors"))
+    found = problems(steer_global({"file": "v.safetensors", "key": "joy"}), base=tmp_path)
+    assert list(found) == [VEC + ".key"]
+    assert "no tensor 'joy'" in found[VEC + ".key"] and "['hate', 'love']" in found[VEC + ".key"]
+    assert_problem(steer_global("v.safetensors"), VEC + ".key", "say which with 'key'", base=tmp_path)
+    assert_problem(base_config(vectors={"v": {"file": "v.safetensors", "key": "joy"}}), "vectors.v.key",
+                   "no tensor 'joy'", base=tmp_path)
+
+
+def test_unknown_named_vector():
+    found = problems(base_config(
+        vectors={"hate": V}, steering={"global": {"base": {"post_block": {"layer": 0, "vector": "love"}}}}))
+    assert found == {VEC: "no vector named 'love' under 'vectors' (has ['hate'])"}
+    assert_problem(steer_global({"name": "love"}), VEC, "no vector named 'love'")
+
+
+def test_unknown_named_vector_in_request_decode():
+    config = base_config(steering={"request": [{"prompts": "all", "decode": {"mlp_out": [
+        {"layer": 0, "vector": V}, {"layer": 1, "vector": {"name": "x"}}]}}]})
+    assert_problem(config, "steering.request[0].decode.mlp_out[1].vector", "no vector named 'x'")
+
+
+def test_empty_prompt_list():
+    assert_problem(base_config(prompts={"items": []}), "prompts", "empty prompt list")
+
+
+def test_empty_prompt_file(tmp_path):
+    (tmp_path / "p.jsonl").write_text("\n\n")
+    assert_problem(base_config(prompts={"file": "p.jsonl"}), "prompts", "empty prompt list", base=tmp_path)
+
+
+def test_prompt_file_missing(tmp_path):
+    assert_problem(base_config(prompts={"file": "missing.jsonl"}), "prompts.file",
+                   f"prompt file not found: {tmp_path / 'missing.jsonl'}", base=tmp_path)
+
+
+def test_prompt_file_bad_lines(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"text": "hello"}\nnot json\n')
+    assert_problem(base_config(prompts={"file": "p.jsonl"}), "prompts.file", "p.jsonl:2 is not a JSON object",
+                   base=tmp_path)
+    (tmp_path / "q.jsonl").write_text('{"text": "hello"}\n{"id": "x"}\n')
+    assert_problem(base_config(prompts={"file": "q.jsonl"}), "prompts.file", "q.jsonl:2 has no non-empty 'text'",
+                   base=tmp_path)
+
+
+def test_prompt_that_tokenizes_to_nothing():
+    assert_problem(base_config(prompts={"items": ["ok", ""]}), "prompts.items[1]", "tokenizes to nothing")
+
+
+def test_capture_position_beyond_the_prompt():
+    config = base_config(prompts={"items": ["Hello, my name is"]},
+                         capture=[{"hooks": ["post_block"], "positions": [0, 50]}])
+    assert_problem(config, "capture[0].positions[1]", "position 50 is beyond prompt 0")
+    config = base_config(prompts={"items": ["Hello, my name is"]},
+                         capture=[{"hooks": ["post_block"], "positions": [-1, -50]}])
+    assert_problem(config, "capture[0].positions[1]", "position -50 is beyond prompt 0")
+
+
+def test_prompt_selector_out_of_range():
+    request = {"prompts": 2, "base": {"post_block": {"layer": 0, "vector": V}}}
+    assert_problem(base_config(steering={"request": [request]}), "steering.request[0].prompts",
+                   "prompt 2 out of range, there are 2 prompts")
+    request = {"prompts": [0, 5], "base": {"post_block": {"layer": 0, "vector": V}}}
+    assert_problem(base_config(steering={"request": [request]}), "steering.request[0].prompts[1]",
+                   "prompt 5 out of range")
+    assert_problem(base_config(capture=[{"hooks": ["post_block"], "prompts": [3]}]), "capture[0].prompts[0]",
+                   "prompt 3 out of range")
+
+
+def test_max_model_len_too_small():
+    config = base_config(engine={"max_model_len": 16}, sampling={"max_tokens": 10})
+    assert_problem(config, "engine.max_model_len", "16 is too small: longest prompt + sampling.max_tokens")
+
+
+def test_unknown_model_name():
+    config = {**base_config(), "model": {"name": "gpt-17"}}
+    found = problems(config)
+    assert len(found) == 1 and list(found)[0] in ("model", "model.name")
+    assert "gpt-17" in next(iter(found.values()))
+
+
+def test_model_path_without_config(tmp_path):
+    config = {**base_config(), "model": {"name": "x", "path": str(tmp_path)}}
+    assert_problem(config, "model.path", "is not a model folder (no config.json)")
+
+
+def fake_model_folder(tmp_path, tiny_path, **config_changes) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = json.loads((tiny_path / "config.json").read_text())
+    config.update(config_changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    for f in tiny_path.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_unsupported_architecture(tmp_path, tiny_path):
+    folder = fake_model_folder(tmp_path, tiny_path, architectures=["GPT2LMHeadModel"])
+    config = {**base_config(), "model": {"name": "gpt2", "path": str(folder)}}
+    found = problems(config)
+    assert list(found) in (["model"], ["model.path"]), found
+    reason = next(iter(found.values()))
+    assert "unsupported architecture GPT2LMHeadModel" in reason and "LlamaForCausalLM" in reason
+
+
+def test_unsupported_architecture_with_its_own_config_keys(tmp_path, tiny_path):
+    # a real GPT-2 config.json has n_layer / n_embd, not num_hidden_layers / hidden_size
+    folder = fake_model_folder(tmp_path, tiny_path, architectures=["GPT2LMHeadModel"], n_layer=4, n_embd=128)
+    config = json.loads((folder / "config.json").read_text())
+    del config["num_hidden_layers"], config["hidden_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    found = problems({**base_config(), "model": {"name": "gpt2", "path": str(folder)}})
+    assert list(found) in (["model"], ["model.path"]), found
+    assert "GPT2LMHeadModel" in next(iter(found.values()))
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def _cli(*args, run_dir: Path) -> subprocess.Popen:
+    cli = REPO / ".venv" / "bin" / "interp-run"
+    return subprocess.Popen([str(cli), *args, f"hydra.run.dir={run_dir}"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Both CLI runs at once (each spends ~10 s importing)."""
+    root = tmp_path_factory.mktemp("cli")
+    procs = {
+        "bad": _cli("+experiment=steering_demo", "steering.request.0.base.post_block.layer=40", "dry_run=true",
+                    run_dir=root / "bad"),
+        "bad_no_dry": _cli("+experiment=steering_demo", "steering.request.0.base.post_block.layer=40",
+                           f"store.path={root / 'bad_store.zarr'}", run_dir=root / "bad_no_dry"),
+        "ok": _cli("+experiment=steering_demo", "dry_run=true", run_dir=root / "ok"),
+    }
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        out[name] = (proc.returncode, stdout, stderr)
+    return root, out
+
+
+def test_cli_config_error_exits_2(cli_runs):
+    root, out = cli_runs
+    for name in ("bad", "bad_no_dry"):
+        rc, stdout, stderr = out[name]
+        assert rc == 2, stderr[-3000:]
+        assert "config error: steering.request[0].base.post_block.layer: 40 out of range, model has 30 layers" \
+            in stderr
+        assert "starting engine" not in stdout
+    assert not list(root.rglob("*.zarr")), list(root.rglob("*.zarr"))
+    assert not (root / "bad_store.zarr").exists()
+
+
+def test_cli_valid_dry_run_exits_0(cli_runs):
+    root, out = cli_runs
+    rc, stdout, stderr = out["ok"]
+    assert rc == 0, stderr[-3000:]
+    assert "dry run: config valid" in stdout and "plan: 4 requests" in stdout
+    assert not list(root.rglob("results.zarr"))
+
+
+# ---------------------------------------------------------------- shipped experiments compose and compile
+
+EXPERIMENTS = sorted(
+    str(p.relative_to(REPO / "conf" / "experiment").with_suffix(""))
+    for p in (REPO / "conf" / "experiment").rglob("*.yaml")
+)
+
+
+def test_there_are_experiments():
+    assert {"steering_demo", "steering_smoke"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_composes_and_compiles(name):
+    import interp_runner.cli  # noqa: F401  registers the experiments_dir resolver
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"+experiment={name}"])
+    config = OmegaConf.to_container(cfg, resolve=True)
+    assert config["experiment"]["name"] == Path(name).name
+    prepared = prepare(config, base=REPO)
+    assert prepared.plan.requests and len(prepared.plan.requests_sha256) == 64
+    assert prepared.cfg.dry_run is False
+    # the same config again compiles to the same requests
+    assert prepare(config, base=REPO).plan.requests_sha256 == prepared.plan.requests_sha256
