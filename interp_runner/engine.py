@@ -42,6 +42,9 @@ class VllmEngine:
 
     def __init__(self, model_path: str, cfg: EngineConfig, spec: EngineSpec):
         os.environ[ENABLE_ENV] = "1"
+        # the planner drives GPUModelRunner; vLLM 0.26 would pick its V2 runner for dense models wherever
+        # Triton is installed (every GPU machine)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if cfg.tensor_parallel_size == 1:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -79,6 +82,8 @@ class VllmEngine:
         for rank, status in enumerate(statuses):
             if not status.get("loaded"):
                 raise EngineError(f"interp plugin is not active on worker {rank}: {status}")
+            if not status["runner_planned"]:
+                raise EngineError(f"worker {rank} uses a model runner the interp planner does not drive")
             if status["plugin"] != expected:
                 raise EngineError(f"worker {rank} runs plugin {status['plugin']}, this code is {expected}")
             if len(status["instrumented_layers"]) != num_layers:

@@ -118,3 +118,32 @@ def test_compiled_mode_steering_and_capture_match_hf(compiled_engine, tiny_path)
                 positions, got = result.captures[site_id(layer, hook)]
                 assert positions.tolist() == list(range(len(full)))
                 assert rel_err(got, ref[(layer, hook)]) <= 1e-4, (layer, hook)
+
+
+@pytest.fixture(scope="module")
+def chunked_engine(tiny_path):
+    """Prefill split into 64-token chunks: a long prompt takes several steps."""
+    sites = every_site(4)
+    engine = build_engine(tiny_path, sites, sites, max_num_batched_tokens=64, max_num_seqs=4)
+    yield engine
+    engine.close()
+
+
+def test_tiers_follow_prompt_length_under_chunked_prefill(chunked_engine, tiny_engine):
+    vec = np.asarray(vector(6, 2.0), dtype=np.float32)
+    layer = 1
+    steering = {"global": {"prefill": {"post_block": {"layer": layer, "vector": vec.tolist()}}}}
+    capture = [{"hooks": ["post_attn", "mlp_out", "post_block"], "layers": [layer], "positions": "all"}]
+    plan, chunked = run_config(chunked_engine, config([LONG, PROMPTS[0]], steering=steering, capture=capture))
+    _, whole = run_config(tiny_engine, config([LONG, PROMPTS[0]], steering=steering, capture=capture),
+                          skip_reading_prefix_cache=True)
+    for request, result, reference in zip(plan.requests, chunked, whole):
+        n = len(request.prompt.token_ids)
+        positions, post_block = result.captures[site_id(layer, "post_block")]
+        added = post_block - (result.captures[site_id(layer, "post_attn")][1]
+                              + result.captures[site_id(layer, "mlp_out")][1])
+        np.testing.assert_allclose(added[positions < n], np.broadcast_to(vec, added[positions < n].shape), atol=1e-4)
+        np.testing.assert_allclose(added[positions >= n], 0, atol=1e-4)
+        assert positions.tolist() == list(range(n + 5))
+        assert result.token_ids == reference.token_ids
+        assert rel_err(post_block, reference.captures[site_id(layer, "post_block")][1]) <= 1e-4

@@ -317,6 +317,10 @@ class InterpWorkerExtension:
             return {"loaded": False}
         return {
             "loaded": True,
+            # the planner lives in GPUModelRunner._model_forward: any other runner would never plan a step
+            "runner_planned": any(
+                "_interp_original_model_forward" in c.__dict__ for c in type(self.model_runner).__mro__
+            ),
             "plugin": state.fingerprint,
             "instrumented_layers": sorted(state.instrumented_layers),
             "steer_sites": list(state.steer_sites),

@@ -1,0 +1,66 @@
+"""The plugin's registration: discovered by vLLM, inert unless interp-runner enabled it, keyed into compile cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from interp_runner.payload import EngineSpec, plugin_fingerprint
+
+PROBE = """
+import json
+from importlib.metadata import entry_points
+from vllm.plugins import load_general_plugins
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.model_executor.models.llama import LlamaDecoderLayer
+from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
+load_general_plugins()
+import torch
+print(json.dumps({
+    "entry_point": [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "interp_runner"],
+    "layers_patched": "_interp_original_forward" in LlamaDecoderLayer.__dict__,
+    "qwen3_patched": "_interp_original_forward" in Qwen3DecoderLayer.__dict__,
+    "runner_patched": "_interp_original_model_forward" in GPUModelRunner.__dict__,
+    "op": hasattr(torch.ops.interp, "site") if hasattr(torch.ops, "interp") else False,
+}))
+"""
+
+
+def probe(enabled: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}
+    if enabled:
+        env["INTERP_RUNNER_PLUGIN"] = "1"
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_plugin_is_inert_unless_enabled():
+    inert = probe(enabled=False)
+    assert inert["entry_point"] == ["interp_runner.plugin:register"]
+    assert not inert["layers_patched"] and not inert["runner_patched"] and not inert["op"]
+
+
+def test_plugin_instruments_when_enabled():
+    active = probe(enabled=True)
+    assert active["layers_patched"] and active["qwen3_patched"] and active["runner_patched"] and active["op"]
+
+
+def test_compile_cache_key_carries_plugin_fingerprint_and_sites():
+    from vllm.config import VllmConfig
+
+    spec = EngineSpec(steer_sites=(3, 4), capture_sites=(9,))
+    extra = spec.as_additional_config()
+    assert extra["interp"]["plugin"] == plugin_fingerprint()
+    hashes = {
+        VllmConfig(additional_config=cfg).compute_hash()
+        for cfg in (
+            {},
+            extra,
+            EngineSpec(steer_sites=(3,), capture_sites=(9,)).as_additional_config(),
+            {"interp": {**extra["interp"], "plugin": "older-plugin"}},
+        )
+    }
+    assert len(hashes) == 4  # no graph compiled for other ops (or none) is ever reused
