@@ -13,5 +13,6 @@ else
   uv pip install -q -r requirements/cpu.lock
   uv pip install -q --no-deps -r requirements/cpu-nodeps.txt
 fi
+uv pip install -q --no-deps -r requirements/nodeps.txt
 uv pip install -q --no-deps -e .
 .venv/bin/python -m interp_runner.models.materialize all

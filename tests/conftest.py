@@ -48,7 +48,7 @@ def base_config(model: str = "tiny_random", **overrides) -> dict:
     """A minimal valid run config (plain dict, as Hydra would hand it over)."""
     cfg = {
         "model": {"name": model},
-        "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 16},
+        "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 16},
         "prompts": {"items": ["The Eiffel Tower is located in the city of", "Hello, my name is"]},
         "sampling": {"max_tokens": 4},
     }
@@ -85,22 +85,22 @@ def run_config(engine, config: dict, **sampling_extra):
     return plan, sorted(results, key=lambda r: r.prompt_index)
 
 
+def engine_at_every_site(path: Path, num_layers: int, **engine):
+    """An engine (fp32, eager unless overridden) with steering and capture ops at every site; closed after use."""
+    sites = every_site(num_layers)
+    built = build_engine(path, sites, sites, **engine)
+    yield built
+    built.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_path):
-    """tiny_random, fp32, eager; ops at every site."""
-    sites = every_site(4)
-    engine = build_engine(tiny_path, sites, sites)
-    yield engine
-    engine.close()
+    yield from engine_at_every_site(tiny_path, 4)
 
 
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_path):
-    """SmolLM2, fp32, eager; ops at every site."""
-    sites = every_site(30)
-    engine = build_engine(smollm2_path, sites, sites)
-    yield engine
-    engine.close()
+    yield from engine_at_every_site(smollm2_path, 30)
 
 
 def rel_err(a, b) -> float:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_oracle
-from conftest import ALL_HOOKS, rel_err, run_config
+from conftest import ALL_HOOKS, base_config, rel_err, run_config
 from interp_runner.sites import site_id
 from interp_runner.vectors import random_direction
 
@@ -17,14 +17,8 @@ PROMPTS = ["The Eiffel Tower is located in the city of", "My favourite food is",
 
 
 def config(**parts) -> dict:
-    cfg = {
-        "model": {"name": "smollm2_135m"},
-        "engine": {"dtype": "float32", "max_model_len": 1024},
-        "prompts": {"items": PROMPTS},
-        "sampling": {"max_tokens": 4, "logprobs": 5},
-    }
-    cfg.update(parts)
-    return cfg
+    return base_config("smollm2_135m", prompts={"items": PROMPTS}, sampling={"max_tokens": 4, "logprobs": 5},
+                       **parts)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_oracle
-from conftest import ALL_HOOKS, build_engine, every_site, rel_err, run_config
+from conftest import ALL_HOOKS, base_config, engine_at_every_site, rel_err, run_config
 from interp_runner.sites import site_id
 from interp_runner.vectors import random_direction
 
@@ -19,14 +19,8 @@ LONG = " ".join(f"item {i} is a {'red' if i % 3 else 'blue'} box," for i in rang
 
 
 def config(prompts=PROMPTS, **parts) -> dict:
-    cfg = {
-        "model": {"name": "tiny_random"},
-        "engine": {"dtype": "float32", "max_model_len": 1024},
-        "prompts": {"items": prompts},
-        "sampling": {"max_tokens": 6, "logprobs": 5},
-    }
-    cfg.update(parts)
-    return cfg
+    return base_config("tiny_random", prompts={"items": prompts}, sampling={"max_tokens": 6, "logprobs": 5},
+                       **parts)
 
 
 def vector(seed=0, norm=4.0):
@@ -91,10 +85,7 @@ def test_capture_of_a_cached_prompt_returns_every_position(tiny_engine):
 
 @pytest.fixture(scope="module")
 def compiled_engine(tiny_path):
-    sites = every_site(4)
-    engine = build_engine(tiny_path, sites, sites, enforce_eager=False)
-    yield engine
-    engine.close()
+    yield from engine_at_every_site(tiny_path, 4, enforce_eager=False)
 
 
 def test_compiled_mode_steering_and_capture_match_hf(compiled_engine, tiny_path):
@@ -123,10 +114,7 @@ def test_compiled_mode_steering_and_capture_match_hf(compiled_engine, tiny_path)
 @pytest.fixture(scope="module")
 def chunked_engine(tiny_path):
     """Prefill split into 64-token chunks: a long prompt takes several steps."""
-    sites = every_site(4)
-    engine = build_engine(tiny_path, sites, sites, max_num_batched_tokens=64, max_num_seqs=4)
-    yield engine
-    engine.close()
+    yield from engine_at_every_site(tiny_path, 4, max_num_batched_tokens=64, max_num_seqs=4)
 
 
 def test_tiers_follow_prompt_length_under_chunked_prefill(chunked_engine, tiny_engine):

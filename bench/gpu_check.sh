@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The GPU check: install the package (so vLLM finds the plugin through its entry point), build the local
+# models, run the GPU tests, then the steering-overhead benchmark. Logs and results go under $OUT
+# (default ./gpu-out); a short table is printed last.
+#
+#   bash bench/gpu_check.sh                      # every stage: setup tests bench-small bench-8b
+#   bash bench/gpu_check.sh setup tests          # some stages, in the order given
+#
+# Stages: setup (install + models + versions), tests (pytest -m gpu tests/test_gpu.py), bench-small (SmolLM2),
+# bench-8b (random-weight 8B-shaped Llama), bench-v2 (SmolLM2 on stock vLLM with its default model runner, V2).
+# GPU_CHECK_BUDGET_S (default 540) bounds the whole run: each stage gets what is left, and a stage is skipped
+# when under 30 s are left. On a fresh H100 the four default stages take about 12 minutes (bench/RESULTS.md);
+# under a 10-minute limit per command run them as two calls: `setup tests bench-small`, `setup bench-8b`.
+# On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO=$PWD
+OUT=${OUT:-$REPO/gpu-out}
+mkdir -p "$OUT"
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(setup tests bench-small bench-8b)
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
+PY=${PYTHON:-python3}
+SITE_IR=${INTERP_SITE:-/tmp/site-ir}
+
+main() {
+  local t_start=$SECONDS
+  [ -f /tmp/gpu-env.sh ] && . /tmp/gpu-env.sh
+  export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+  export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  # the live tree first; the installed copy supplies the entry point and interp_runner_kernels
+  export PYTHONPATH=$REPO:$SITE_IR${PYTHONPATH:+:$PYTHONPATH}
+  left() { echo $(( BUDGET - (SECONDS - t_start) )); }
+  declare -A RC SECS
+  local failed=0
+
+  for stage in "${STAGES[@]}"; do
+    local t0=$SECONDS rc=0 budget
+    budget=$(left)
+    echo "=== stage $stage ($(date -u +%H:%M:%S), ${budget}s of budget left)"
+    if [ "$budget" -lt 30 ]; then
+      RC[$stage]="skipped (budget)"; continue
+    fi
+    case $stage in
+      setup) stage_setup || rc=$? ;;
+      tests) stage_tests $(( budget < ${TESTS_MAX_S:-360} ? budget : ${TESTS_MAX_S:-360} )) || rc=$? ;;
+      bench-small) stage_bench "$budget" smollm2_135m interp,stock || rc=$? ;;
+      bench-8b) stage_bench "$budget" llama8b-random interp,stock || rc=$? ;;
+      bench-v2) stage_bench "$budget" smollm2_135m stock-default _v2 || rc=$? ;;
+      *) echo "unknown stage $stage"; rc=2 ;;
+    esac
+    RC[$stage]=$rc; SECS[$stage]=$(( SECONDS - t0 ))
+    [ "$rc" = 0 ] || failed=1
+  done
+
+  {
+    echo
+    echo "=== GPU check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
+    for stage in "${STAGES[@]}"; do
+      printf '%-20s rc=%-16s %ss\n' "$stage" "${RC[$stage]:-?}" "${SECS[$stage]:--}"
+    done
+    [ -f "$OUT/pytest.log" ] && echo "tests: $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)|no tests ran' "$OUT/pytest.log" | tail -1)"
+    [ -f "$OUT/pytest.log" ] && grep -E '^(FAILED|ERROR) ' "$OUT/pytest.log" | head -20
+    ls "$OUT"/bench_*.json >/dev/null 2>&1 && $PY bench/steer_overhead.py --report "$OUT"/bench_*.json
+  } | tee "$OUT/summary.txt"
+  return "$failed"
+}
+
+stage_setup() {
+  {
+    nvidia-smi || true
+    $PY -c "import sys, torch, triton, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA'); print('triton', triton.__version__, 'transformers', transformers.__version__)"
+    $PY -c "import vllm; print('vllm', vllm.__version__)"
+  } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+  # a real install, so vLLM discovers the plugin through the vllm.general_plugins entry point
+  rm -rf "$SITE_IR"
+  local src
+  src=$(mktemp -d)  # build from a copy: no build/ or egg-info left in the tree
+  cp -r "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/interp_runner" "$REPO/kernels" "$src/"
+  if ! $PY -m pip install -q --no-deps --no-index --no-build-isolation --target "$SITE_IR" "$src"; then
+    echo "pip install failed: writing the distribution by hand (same entry point)"
+    mkdir -p "$SITE_IR/interp_runner-0.1.0.dist-info"
+    cp -r "$REPO/interp_runner" "$SITE_IR/"
+    cp -r "$REPO/kernels" "$SITE_IR/interp_runner_kernels"
+    printf 'Metadata-Version: 2.1\nName: interp-runner\nVersion: 0.1.0\n' > "$SITE_IR/interp_runner-0.1.0.dist-info/METADATA"
+    printf '[vllm.general_plugins]\ninterp_runner = interp_runner.plugin:register\n' \
+      > "$SITE_IR/interp_runner-0.1.0.dist-info/entry_points.txt"
+  fi
+  $PY - <<'EOF' || return 1
+from importlib.metadata import entry_points
+eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "interp_runner"]
+assert eps, "no vllm.general_plugins entry point named interp_runner"
+import interp_runner_kernels
+print("plugin entry point:", eps[0].value, "| kernels from", interp_runner_kernels.__file__)
+EOF
+  local t0=$SECONDS
+  $PY -m interp_runner.models.materialize all || return 1
+  echo "models ready in $(( SECONDS - t0 )) s"
+}
+
+stage_tests() {
+  local budget=$1
+  rm -f "$OUT/gpu_test_report.txt"
+  INTERP_GPU_REPORT="$OUT/gpu_test_report.txt" timeout -k 10 $(( budget - 5 )) \
+    $PY -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log"
+  local rc=${PIPESTATUS[0]}
+  [ -f "$OUT/gpu_test_report.txt" ] && cat "$OUT/gpu_test_report.txt"
+  return "$rc"
+}
+
+stage_bench() {
+  local budget=$1 model=$2 engines=$3 suffix=${4:-}
+  local name=${model%%_*}
+  [ "$model" = llama8b-random ] && name=llama8b
+  timeout -k 10 $(( budget - 5 )) $PY bench/steer_overhead.py --model "$model" --engines "$engines" \
+    --worker-timeout $(( budget - 20 )) --json "$OUT/bench_${name}${suffix}.json"
+}
+
+main 2>&1 | tee -a "$OUT/check.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,394 @@
+"""Steering overhead: end-to-end generation time of one interp engine with the plugin idle vs every request
+steered, next to a stock engine without any interp spec.
+
+Rows (each engine in its own process, built once, warmed up, then timed):
+
+- ``interp``: a VllmEngine built with steering ops at every layer of one hook. Two conditions on that same
+  engine, interleaved (ABBA): ``idle`` (requests carry no interventions) and ``steered`` (every request
+  steered at every layer of the hook; ``--vectors`` distinct vectors spread over the batch).
+- ``stock``: plain vLLM, same settings and requests, no interp spec (the plugin is registered but the engine
+  is not instrumented), on the V1 model runner the interp engine uses.
+- ``stock-default`` (optional): plain vLLM with the plugin disabled and vLLM's default model runner.
+
+Every request decodes exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, no detokenization; the time is
+the wall time of ``LLM.generate`` over the whole batch. Prints a table last; ``--json`` keeps everything.
+
+    python bench/steer_overhead.py --model smollm2_135m
+    python bench/steer_overhead.py --model llama8b-random          # random-weight 8B-shaped Llama
+    python bench/steer_overhead.py --model tiny_random --dtype float32 --eager --batch 4 --max-tokens 8 \\
+        --repeats 2 --vectors 2                                     # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256)
+TOPICS = ["a lighthouse keeper", "the history of bread", "a journey to Mars", "an old clock", "the ocean floor",
+          "a chess tournament", "a city in the rain", "the first computer", "a mountain village", "a lost dog",
+          "the northern lights", "a jazz musician", "a garden in winter", "a train at night", "a desert festival",
+          "a library of maps"]
+
+
+# -- models -------------------------------------------------------------------------------------------
+
+
+def random_llama(out: Path, shape: dict, weights: str, device: str) -> Path:
+    """An HF folder with a Llama of ``shape``: config + SmolLM2's tokenizer, and either no weights (vLLM's
+    dummy loader draws them: ``weights='dummy'``) or random bf16 safetensors from transformers."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from interp_runner.models.materialize import TOKENIZER_FILES, model_path
+
+    if (out / "COMPLETE").exists():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        smol = model_path("smollm2_135m")
+        tokenizer = AutoTokenizer.from_pretrained(smol)
+    except Exception as err:  # the tokenizer alone, straight from the GGUF
+        from interp_runner.models.materialize import _gguf_path
+
+        print(f"SmolLM2 folder unavailable ({err}); tokenizer from the GGUF", flush=True)
+        gguf = _gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        smol = out / ".tokenizer"
+        tokenizer.save_pretrained(smol)
+    config = LlamaConfig(
+        **shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"], max_position_embeddings=8192,
+        rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, dtype="bfloat16", architectures=["LlamaForCausalLM"],
+    )
+    if weights == "hf":
+        t0 = time.perf_counter()
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(default)
+        model.save_pretrained(out, safe_serialization=True)
+        del model
+        print(f"random Llama weights written in {time.perf_counter() - t0:.1f} s", flush=True)
+    else:
+        config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    for f in TOKENIZER_FILES:
+        if (smol / f).exists():
+            shutil.copy2(smol / f, out / f)
+    (out / "weights.sha256").write_text(f"random-{weights}\n")  # nothing worth hashing
+    (out / "COMPLETE").write_text("ok\n")
+    return out
+
+
+def resolve_model(args) -> tuple[Path, bool]:
+    """(model folder, use vLLM's dummy loader)."""
+    from interp_runner.models.materialize import model_path
+
+    if args.model in ("llama8b-random", "random-llama"):
+        shape = dict(LLAMA8B)
+        if args.llama_shape:
+            keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "intermediate_size", "vocab_size"]
+            shape = dict(zip(keys, (int(x) for x in args.llama_shape.split(","))))
+        tag = "-".join(str(v) for v in shape.values())
+        folder = Path(args.scratch) / f"llama-{tag}-{args.weights}"
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return random_llama(folder, shape, args.weights, device), args.weights == "dummy"
+    return model_path(args.model), False
+
+
+# -- requests -----------------------------------------------------------------------------------------
+
+
+def plans(args, folder: Path):
+    """(idle plan, steered plan): the same prompts and sampling; the steered one steers every request."""
+    from interp_runner.pipeline import prepare
+
+    prompts = [f"Request {i}. Write a long and detailed story about {TOPICS[i % len(TOPICS)]}, "
+               f"chapter {i // len(TOPICS) + 1}:" for i in range(args.batch)]
+    base = {
+        "model": {"name": "bench", "path": str(folder)},
+        "engine": {"dtype": args.dtype, "enforce_eager": args.eager, "max_model_len": args.max_model_len},
+        "prompts": {"items": prompts},
+        "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
+    }
+    steering = {"request": [
+        {"prompts": [i for i in range(args.batch) if i % args.vectors == k],
+         "base": {args.hook: {"layer": "all", "vector": {"random": {"seed": k, "norm": args.norm}}}}}
+        for k in range(min(args.vectors, args.batch))
+    ]}
+    idle = prepare(base).plan
+    steered = prepare({**base, "steering": steering}).plan
+    for plan in (idle, steered):
+        for request in plan.requests:
+            request.sampling.update(ignore_eos=True, detokenize=False)
+    return idle, steered
+
+
+# -- one engine (worker process) ----------------------------------------------------------------------
+
+
+def engine_settings(args) -> dict:
+    return dict(dtype=args.dtype, enforce_eager=args.eager, max_model_len=args.max_model_len,
+                max_num_seqs=args.batch, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)))
+
+
+def use_dummy_loader() -> None:
+    import vllm
+
+    llm = vllm.LLM
+
+    def dummy_llm(*a, **kw):
+        kw.setdefault("load_format", "dummy")
+        return llm(*a, **kw)
+
+    vllm.LLM = dummy_llm
+
+
+def build(kind: str, args, folder: Path, dummy: bool, steer_sites):
+    """(LLM, VllmEngine or None)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if kind == "stock":
+        os.environ["INTERP_RUNNER_PLUGIN"] = "1"  # registered, but this engine carries no interp spec
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner the interp engine runs on
+    elif kind == "stock-default":
+        os.environ.pop("INTERP_RUNNER_PLUGIN", None)
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if dummy:
+        use_dummy_loader()
+    if kind == "interp":
+        from interp_runner.config.schema import EngineConfig
+        from interp_runner.engine import VllmEngine
+        from interp_runner.payload import EngineSpec
+
+        engine = VllmEngine(str(folder), EngineConfig(**engine_settings(args)), EngineSpec(tuple(steer_sites), ()))
+        return engine.llm, engine
+    import vllm
+
+    s = engine_settings(args)
+    llm = vllm.LLM(model=str(folder), dtype=s["dtype"], enforce_eager=s["enforce_eager"],
+                   max_model_len=s["max_model_len"], max_num_seqs=s["max_num_seqs"],
+                   kv_cache_memory_bytes=s["kv_cache_memory_bytes"], enable_prefix_caching=True, seed=0)
+    return llm, None
+
+
+def generate(llm, plan):
+    prompts = [r.engine_prompt() for r in plan.requests]
+    params = [r.sampling_params() for r in plan.requests]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return dt, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def planner_profile(llm, plan) -> dict:
+    """Host time of the per-step planner (untimed extra run)."""
+    from interp_runner.plugin.runtime import InterpState
+
+    original = InterpState.before_forward
+    spent = []
+
+    def timed(self, runner, num_rows):
+        t0 = time.perf_counter()
+        try:
+            return original(self, runner, num_rows)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    InterpState.before_forward = timed
+    try:
+        generate(llm, plan)
+    finally:
+        InterpState.before_forward = original
+    return {"steps": len(spent), "mean_us": 1e6 * statistics.fmean(spent) if spent else None,
+            "max_us": 1e6 * max(spent) if spent else None}
+
+
+def worker(args) -> dict:
+    import torch
+
+    from interp_runner.sites import site_id
+
+    folder, dummy = Path(args.model_dir), args.dummy
+    from interp_runner.models.facts import ModelFacts
+
+    facts = ModelFacts.from_folder(folder)
+    steer_sites = [site_id(layer, args.hook) for layer in range(facts.num_layers)]
+    idle, steered = plans(args, folder)
+    t0 = time.perf_counter()
+    llm, engine = build(args.worker, args, folder, dummy, steer_sites)
+    startup = time.perf_counter() - t0
+    vc = llm.llm_engine.vllm_config
+    info = {
+        "kind": args.worker,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "startup_s": startup,
+        "dtype": str(vc.model_config.dtype),
+        "cudagraph_mode": str(vc.compilation_config.cudagraph_mode),
+        "compilation_mode": str(vc.compilation_config.mode),
+        "use_v2_model_runner": bool(vc.use_v2_model_runner),
+        "async_scheduling": bool(getattr(vc.scheduler_config, "async_scheduling", False)),
+        "dummy_weights": dummy,
+    }
+    if engine is not None:
+        conditions = {"idle": idle, "steered": steered}
+        engine.run(steered, use_tqdm=False)  # registers the vectors; warm-up
+    else:
+        conditions = {args.worker: idle}
+    outputs = {}
+    for name, plan in conditions.items():
+        for _ in range(args.warmup):
+            _, outputs[name] = generate(llm, plan)
+    times = {name: [] for name in conditions}
+    names = list(conditions)
+    for r in range(args.repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            dt, tokens = generate(llm, conditions[name])
+            if any(len(t) != args.max_tokens for t in tokens):
+                raise RuntimeError(f"{name}: not every request decoded {args.max_tokens} tokens")
+            times[name].append(dt)
+    info["times_s"] = times
+    info["median_s"] = {name: statistics.median(t) for name, t in times.items()}
+    if engine is not None:
+        changed = sum(a != b for a, b in zip(outputs["idle"], outputs["steered"]))
+        info["steered_requests_changed"] = f"{changed}/{len(outputs['idle'])}"
+        if changed == 0:
+            info["warning"] = "steering changed no request's tokens"
+        info["planner"] = {"idle": planner_profile(llm, idle), "steered": planner_profile(llm, steered)}
+    return info
+
+
+# -- driver -------------------------------------------------------------------------------------------
+
+
+def run_worker(kind: str, args, folder: Path, dummy: bool, scratch: Path) -> dict:
+    out = scratch / f"worker-{kind}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--worker", kind, "--model-dir", str(folder), "--worker-json", str(out)]
+    if dummy:
+        cmd.append("--dummy")
+    for key in ("model", "batch", "max_tokens", "vectors", "hook", "norm", "repeats", "warmup", "dtype",
+                "max_model_len", "kv_cache_gib"):
+        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    if args.eager:
+        cmd.append("--eager")
+    print(f"== {args.model}: {kind} engine", flush=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, timeout=args.worker_timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    wall = time.perf_counter() - t0
+    if rc == 0 and out.exists():
+        info = json.loads(out.read_text())
+        info["process_s"] = wall
+        return info
+    return {"kind": kind, "error": f"worker exited with {rc}", "process_s": wall}
+
+
+def table(results: list[dict]) -> str:
+    rows = [("model", "engine", "condition", "median s", "tok/s", "vs idle", "vs stock", "runs")]
+    for res in results:
+        model, workers = res["model"], res["workers"]
+        stock = next((w["median_s"].get("stock") for w in workers if w.get("kind") == "stock" and "median_s" in w),
+                     None)
+        idle = next((w["median_s"]["idle"] for w in workers if w.get("kind") == "interp" and "median_s" in w), None)
+        tokens = res["batch"] * res["max_tokens"]
+        for w in workers:
+            if "median_s" not in w:
+                rows.append((model, w["kind"], "-", w.get("error", "?"), "", "", "", ""))
+                continue
+            for cond, med in w["median_s"].items():
+                rel_idle = f"{med / idle - 1:+.2%}" if idle and w["kind"] == "interp" else ""
+                rel_stock = f"{med / stock - 1:+.2%}" if stock else ""
+                rows.append((model, w["kind"], cond, f"{med:.4f}", f"{tokens / med:.0f}", rel_idle, rel_stock,
+                             str(len(w["times_s"][cond]))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2_135m",
+                    help="smollm2_135m | tiny_random | llama8b-random | an HF folder")
+    ap.add_argument("--engines", default="interp,stock", help="comma list of interp, stock, stock-default")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--vectors", type=int, default=16, help="distinct steering vectors over the batch")
+    ap.add_argument("--hook", default="post_block")
+    ap.add_argument("--norm", type=float, default=4.0, help="norm of each steering vector")
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs per condition")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs per condition first")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: torch.compile + CUDA graphs)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0)
+    ap.add_argument("--weights", choices=["dummy", "hf"], default="dummy",
+                    help="llama8b-random: vLLM's dummy loader, or random bf16 safetensors from transformers")
+    ap.add_argument("--llama-shape", default="", help="hidden,layers,heads,kv_heads,intermediate,vocab")
+    ap.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "interp-bench"))
+    ap.add_argument("--worker-timeout", type=float, default=600)
+    ap.add_argument("--json", default="", help="write all numbers here")
+    ap.add_argument("--report", nargs="*", help="only print the table of these --json files")
+    # internal: one engine in this process
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-json", help=argparse.SUPPRESS)
+    ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.report is not None:
+        results = [json.loads(Path(p).read_text()) for p in args.report if Path(p).exists()]
+        print(table(results))
+        return 0
+    if args.worker:
+        info = worker(args)
+        Path(args.worker_json).write_text(json.dumps(info, indent=1))
+        return 0
+
+    scratch = Path(args.scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    folder, dummy = resolve_model(args)
+    prepare_s = time.perf_counter() - t0
+    result = {
+        "model": args.model, "folder": str(folder), "prepare_s": prepare_s,
+        "batch": args.batch, "max_tokens": args.max_tokens, "vectors": args.vectors, "hook": args.hook,
+        "norm": args.norm, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
+        "eager": args.eager, "weights": args.weights if args.model in ("llama8b-random", "random-llama") else "file",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "workers": [],
+    }
+    for kind in [k for k in args.engines.split(",") if k]:
+        result["workers"].append(run_worker(kind, args, folder, dummy, scratch))
+        if args.json:  # after every engine, so a cut-off run keeps what it measured
+            Path(args.json).write_text(json.dumps(result, indent=1))
+    print(table([result]))
+    failed = [w for w in result["workers"] if "error" in w]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
