@@ -9,8 +9,8 @@ export VLLM_NO_USAGE_STATS := 1
 setup:            ## venv + locked packages + built-in models
 	bash scripts/setup.sh
 
-run:              ## the shipped steering demo on the embedded SmolLM2
-	.venv/bin/interp-run +experiment=steering_demo
+run:              ## causal tracing on the embedded SmolLM2
+	.venv/bin/interp-run +experiment=causal_trace
 
 test:             ## the whole CPU test suite
 	$(PY) -m pytest -q

@@ -7,10 +7,11 @@
 #   bash bench/gpu_check.sh setup tests          # some stages, in the order given
 #
 # Stages: setup (install + models + versions), tests (pytest -m gpu tests/test_gpu.py), bench-small (SmolLM2),
-# bench-8b (random-weight 8B-shaped Llama), bench-v2 (SmolLM2 on stock vLLM with its default model runner, V2).
+# bench-8b (random-weight 8B-shaped Llama), bench-v2 (SmolLM2 on stock vLLM with its default model runner, V2),
+# bench-trace (causal-tracing grids against hand-batched HF hooks: bench/trace_grid.py).
 # GPU_CHECK_BUDGET_S (default 540) bounds the whole run: each stage gets what is left, and a stage is skipped
-# when under 30 s are left. On a fresh H100 the four default stages take about 12 minutes (bench/RESULTS.md);
-# under a 10-minute limit per command run them as two calls: `setup tests bench-small`, `setup bench-8b`.
+# when under 30 s are left. Under a 10-minute limit per command, split the stages over calls, e.g.
+# `setup tests bench-small`, then `setup bench-8b`, then `setup bench-trace`.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -47,6 +48,7 @@ main() {
       bench-small) stage_bench "$budget" smollm2_135m interp,stock || rc=$? ;;
       bench-8b) stage_bench "$budget" llama8b-random interp,stock || rc=$? ;;
       bench-v2) stage_bench "$budget" smollm2_135m stock-default _v2 || rc=$? ;;
+      bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --json "$OUT/trace_grid.json" || rc=$? ;;
       *) echo "unknown stage $stage"; rc=2 ;;
     esac
     RC[$stage]=$rc; SECS[$stage]=$(( SECONDS - t0 ))

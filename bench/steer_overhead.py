@@ -253,7 +253,7 @@ def worker(args) -> dict:
     }
     if engine is not None:
         conditions = {"idle": idle, "steered": steered}
-        engine.run(steered, use_tqdm=False)  # registers the vectors; warm-up
+        engine.run(steered.requests, steered.vectors, use_tqdm=False)  # registers the vectors; warm-up
     else:
         conditions = {args.worker: idle}
     outputs = {}

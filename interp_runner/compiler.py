@@ -1,7 +1,11 @@
 """Compiler: validated config + model facts -> engine requests. Pure: no engine, no vLLM needed.
 
 Each request carries its interventions in ``SamplingParams.extra_args`` (see ``interp_runner.payload``); vectors
-are returned separately, keyed by content hash, to be registered on the workers once per engine.
+and patch sources are returned separately, keyed by content hash, to be registered on the workers.
+
+A plan runs in stages: stage 0 holds every prompt as written (steered, captured, scored); stage 1 the requests
+that patch in values captured in stage 0 (``Plan.refs`` says which capture each source reference reads), plus
+unpatched copies of their destinations run in the same batch (the noise floor).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import numpy as np
 from .config.errors import ConfigError
 from .config.schema import CaptureSpec, RunConfig, Tiers, resolve_path
 from .models.facts import ModelFacts
-from .payload import DECODE, PAYLOAD_KEY, PREFILL, EngineSpec, pack_positions, vector_key
+from .payload import DECODE, PAYLOAD_KEY, PREFILL, EngineSpec, digest, pack_positions, vector_key
 from .sites import site_id
 from .vectors import load_vector
 
@@ -30,6 +34,7 @@ class Prompt:
     id: str
     text: str
     token_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...] = ()  # scored token ids: (answer[, foil])
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,19 @@ class EngineRequest:
     rid: str
     prompt: Prompt
     sampling: dict  # SamplingParams keyword arguments, payload included
-    cache_salt: str | None
+    stage: int = 0
+    role: str = "prompt"  # prompt | patched | baseline (an unpatched destination beside patched ones)
+    meta: dict = field(default_factory=dict)  # what the request stands for in its experiment
+    condition: str | None = None  # run only if this request's top token is its answer (ROME's filter)
+
+    @property
+    def payload(self) -> dict | None:
+        extra = self.sampling.get("extra_args")
+        return extra.get(PAYLOAD_KEY) if extra else None
+
+    @property
+    def kv_ranges(self) -> list:
+        return (self.payload or {}).get("kv", [])
 
     def sampling_params(self):
         from vllm import SamplingParams
@@ -45,10 +62,7 @@ class EngineRequest:
         return SamplingParams(**self.sampling)
 
     def engine_prompt(self) -> dict:
-        prompt = {"prompt_token_ids": list(self.prompt.token_ids)}
-        if self.cache_salt is not None:
-            prompt["cache_salt"] = self.cache_salt
-        return prompt
+        return {"prompt_token_ids": list(self.prompt.token_ids)}
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,14 @@ class Plan:
     engine_spec: EngineSpec
     captures: tuple[CaptureLayout, ...]
     requests_sha256: str = field(default="")
+    sources: dict[str, np.ndarray] = field(default_factory=dict)  # patch sources known before the run
+    refs: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # ref key -> (rid, site, position)
+    skipped: tuple[dict, ...] = ()  # patch positions left out by prompt alignment
+    trace: object | None = None  # the causal-trace layout, when the plan is one
+
+    @property
+    def num_stages(self) -> int:
+        return 1 + max((r.stage for r in self.requests), default=0)
 
 
 def parse_layers(selector, num_layers: int, where: str) -> list[int]:
@@ -115,22 +137,40 @@ def load_prompts(cfg: RunConfig, tokenize: Callable[[str], Sequence[int]], base:
                 continue
             try:
                 row = json.loads(line)
-                items.append((row.get("id"), row.get("text", row.get("prompt"))))
+                items.append((row.get("id"), row.get("text", row.get("prompt")), row.get("answer"), row.get("foil")))
             except (json.JSONDecodeError, AttributeError):
                 raise ConfigError.at("prompts.file", f"{path}:{n} is not a JSON object")
             if not isinstance(items[-1][1], str) or not items[-1][1]:
                 raise ConfigError.at("prompts.file", f"{path}:{n} has no non-empty 'text' (or 'prompt')")
     else:
-        items = [(None, p) if isinstance(p, str) else (p.id, p.text) for p in cfg.prompts.items]
+        items = [(None, p, None, None) if isinstance(p, str) else (p.id, p.text, p.answer, p.foil)
+                 for p in cfg.prompts.items]
     if not items:
         raise ConfigError.at("prompts", "empty prompt list")
     prompts = []
-    for i, (pid, text) in enumerate(items):
+    for i, (pid, text, answer, foil) in enumerate(items):
+        where = f"prompts.items[{i}]" if cfg.prompts.file is None else f"prompts.file[{i}]"
         ids = tuple(int(t) for t in tokenize(text))
         if not ids:
-            raise ConfigError.at(f"prompts.items[{i}]", "prompt tokenizes to nothing")
-        prompts.append(Prompt(index=i, id=pid or f"p{i}", text=text, token_ids=ids))
+            raise ConfigError.at(where, "prompt tokenizes to nothing")
+        scored = tuple(
+            answer_token(tokenize, text_, f"{where}.{key}", cfg.scoring.first_token)
+            for key, text_ in (("answer", answer), ("foil", foil)) if text_ is not None
+        )
+        prompts.append(Prompt(index=i, id=pid or f"p{i}", text=text, token_ids=ids, answer_ids=scored))
     return prompts
+
+
+def answer_token(tokenizer, text: str, where: str, first_token: bool) -> int:
+    """The single token an answer is scored by."""
+    ids = tokenizer.plain(text)
+    if not ids:
+        raise ConfigError.at(where, f"{text!r} tokenizes to nothing")
+    if len(ids) > 1 and not first_token:
+        raise ConfigError.at(
+            where, f"{text!r} is {len(ids)} tokens {list(ids)}; scoring needs one (or scoring.first_token: true)"
+        )
+    return int(ids[0])
 
 
 def _capture_positions(spec: CaptureSpec, prompt: Prompt, where: str) -> tuple[list[int], bool]:
@@ -154,25 +194,12 @@ def _capture_positions(spec: CaptureSpec, prompt: Prompt, where: str) -> tuple[l
     return sorted(set(out)), False
 
 
-def compile_plan(
-    cfg: RunConfig,
-    facts: ModelFacts,
-    tokenize: Callable[[str], Sequence[int]],
-    base: Path | None = None,
-) -> Plan:
-    """Validate ``cfg`` against the model and turn it into engine requests."""
-    prompts = load_prompts(cfg, tokenize, base)
-    max_len = max(len(p.token_ids) for p in prompts) + cfg.sampling.max_tokens
-    if max_len > cfg.engine.max_model_len:
-        raise ConfigError.at(
-            "engine.max_model_len",
-            f"{cfg.engine.max_model_len} is too small: longest prompt + sampling.max_tokens = {max_len}",
-        )
+def prompt_rid(index: int) -> str:
+    return f"r{index:05d}"
 
-    named = {
-        name: load_vector(spec, f"vectors.{name}", facts.hidden_size, {}, base)
-        for name, spec in cfg.vectors.items()
-    }
+
+def compile_steering(cfg: RunConfig, prompts: list[Prompt], facts: ModelFacts, named: dict, base: Path | None):
+    """(vectors by key, steering entries per prompt index)."""
     vectors: dict[str, np.ndarray] = {}
     steer: dict[int, list] = {p.index: [] for p in prompts}
 
@@ -192,7 +219,11 @@ def compile_plan(
     for r, req in enumerate(cfg.steering.request):
         where = f"steering.request[{r}]"
         add_tiers(req, where, parse_prompts(req.prompts, len(prompts), where + ".prompts"))
+    return vectors, steer
 
+
+def compile_capture(cfg: RunConfig, prompts: list[Prompt], facts: ModelFacts):
+    """(capture groups per prompt index, store layouts)."""
     capture: dict[int, list] = {p.index: [] for p in prompts}
     layouts = []
     for c, spec in enumerate(cfg.capture):
@@ -204,53 +235,145 @@ def compile_plan(
             positions, generated = _capture_positions(spec, prompts[index], where)
             capture[index].append([sites, pack_positions(positions), generated])
         layouts.append(CaptureLayout(spec.name, tuple(spec.hooks), tuple(layers), spec.dtype, tuple(targets)))
+    return capture, layouts
 
-    requests = []
-    s = cfg.sampling
-    for p in prompts:
-        rid = f"r{p.index:05d}"
-        payload = None
-        if steer[p.index] or capture[p.index]:
-            payload = {"rid": rid}
-            if steer[p.index]:
-                payload["steer"] = steer[p.index]
-            if capture[p.index]:
-                payload["capture"] = capture[p.index]
-        # a captured prompt position other than the last would be skipped by a prefix-cache hit
-        reads_prompt = any(
-            np.frombuffer(positions, dtype=np.int32).min(initial=len(p.token_ids)) < len(p.token_ids) - 1
-            for _, positions, _ in capture[p.index]
-        )
-        sampling = dict(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed + p.index,
-            logprobs=s.logprobs if s.logprobs is not None else 0,
-            extra_args={PAYLOAD_KEY: payload} if payload else None,
-            skip_reading_prefix_cache=True if reads_prompt else None,
-        )
-        requests.append(EngineRequest(rid=rid, prompt=p, sampling=sampling, cache_salt=_cache_salt(steer[p.index])))
 
-    engine_spec = EngineSpec(
-        steer_sites=tuple(sorted({e[0] for entries in steer.values() for e in entries})),
-        capture_sites=tuple(sorted({s for entries in capture.values() for e in entries for s in e[0]})),
+def kv_ranges(steer: list, patch: list, prompt_len: int) -> list:
+    """What changes the KV of which positions (see ``interp_runner.plugin.prefix_cache``)."""
+    ranges = []
+    for phase, start, end in ((PREFILL, 0, prompt_len), (DECODE, prompt_len, -1)):
+        terms = sorted([site, key, scale] for site, phases, key, scale in steer if phases & phase)
+        if terms:
+            ranges.append([start, end, digest(terms)])
+    at: dict[int, list] = {}
+    for site, position, key, a, b in patch:
+        at.setdefault(int(position), []).append([int(site), key, float(a), float(b)])
+    ranges += [[p, p + 1, digest(sorted(entries))] for p, entries in sorted(at.items())]
+    return ranges
+
+
+def make_request(
+    rid: str,
+    prompt: Prompt,
+    s,
+    steer: list = (),
+    capture: list = (),
+    patch: list = (),
+    stage: int = 0,
+    role: str = "prompt",
+    meta: dict | None = None,
+    condition: str | None = None,
+    max_tokens: int | None = None,
+) -> EngineRequest:
+    """One engine request; ``patch`` entries are (site, position, source key, a, b)."""
+    payload: dict = {"rid": rid}
+    if steer:
+        payload["steer"] = list(steer)
+    if capture:
+        payload["capture"] = list(capture)
+    if patch:
+        sites, positions, keys, a, b = zip(*patch)
+        payload["patch"] = {
+            "site": pack_positions(sites), "pos": pack_positions(positions), "src": list(keys),
+            "a": np.asarray(a, dtype=np.float32).tobytes(), "b": np.asarray(b, dtype=np.float32).tobytes(),
+        }
+    if prompt.answer_ids:
+        payload["score"] = pack_positions(prompt.answer_ids)
+    ranges = kv_ranges(list(steer), list(patch), len(prompt.token_ids))
+    if ranges:
+        payload["kv"] = ranges
+    # a captured prompt position other than the last would be skipped by a prefix-cache hit
+    reads_prompt = any(
+        np.frombuffer(positions, dtype=np.int32).min(initial=len(prompt.token_ids)) < len(prompt.token_ids) - 1
+        for _, positions, _ in capture
     )
+    sampling = dict(
+        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed + prompt.index,
+        logprobs=s.logprobs if s.logprobs is not None else 0,
+        extra_args={PAYLOAD_KEY: payload} if len(payload) > 1 else None,
+        skip_reading_prefix_cache=True if reads_prompt else None,
+    )
+    return EngineRequest(rid=rid, prompt=prompt, sampling=sampling, stage=stage, role=role, meta=meta or {},
+                         condition=condition)
+
+
+def engine_spec_of(requests: Sequence[EngineRequest], bank_rows: int) -> EngineSpec:
+    steer, capture, patch = set(), set(), set()
+    for r in requests:
+        p = r.payload or {}
+        steer.update(e[0] for e in p.get("steer", ()))
+        capture.update(s for e in p.get("capture", ()) for s in e[0])
+        if "patch" in p:
+            patch.update(np.frombuffer(p["patch"]["site"], dtype=np.int32).tolist())
+    return EngineSpec(tuple(sorted(steer)), tuple(sorted(capture)), tuple(sorted(patch)), bank_rows)
+
+
+def bank_rows_for(cfg: RunConfig, needed: int) -> int:
+    if cfg.engine.patch_bank_rows is None:
+        return needed
+    if cfg.engine.patch_bank_rows < needed:
+        raise ConfigError.at("engine.patch_bank_rows",
+                             f"{cfg.engine.patch_bank_rows} is too small: the plan keeps {needed} patch sources")
+    return cfg.engine.patch_bank_rows
+
+
+def check_length(cfg: RunConfig, prompts: Sequence[Prompt], max_tokens: int) -> None:
+    max_len = max(len(p.token_ids) for p in prompts) + max_tokens
+    if max_len > cfg.engine.max_model_len:
+        raise ConfigError.at(
+            "engine.max_model_len",
+            f"{cfg.engine.max_model_len} is too small: longest prompt + sampling.max_tokens = {max_len}",
+        )
+
+
+def compile_plan(
+    cfg: RunConfig,
+    facts: ModelFacts,
+    tokenize: Callable[[str], Sequence[int]],
+    base: Path | None = None,
+    embeddings: Callable | None = None,
+) -> Plan:
+    """Validate ``cfg`` against the model and turn it into engine requests. ``embeddings(ids)`` gives token
+    embedding rows (causal tracing's noise scale)."""
+    if cfg.causal_trace is not None:
+        from .causal_trace import compile_trace
+
+        return compile_trace(cfg, facts, tokenize, base, embeddings)
+    from .patching import compile_patching
+
+    prompts = load_prompts(cfg, tokenize, base)
+    check_length(cfg, prompts, cfg.sampling.max_tokens)
+    named = {
+        name: load_vector(spec, f"vectors.{name}", facts.hidden_size, {}, base)
+        for name, spec in cfg.vectors.items()
+    }
+    vectors, steer = compile_steering(cfg, prompts, facts, named, base)
+    capture, layouts = compile_capture(cfg, prompts, facts)
+    patching = compile_patching(cfg, prompts, facts, tokenize, named, base, steer)
+    for index, groups in patching.source_captures.items():
+        capture[index] = capture[index] + groups
+
+    s = cfg.sampling
+    requests = [make_request(prompt_rid(p.index), p, s, steer[p.index], capture[p.index]) for p in prompts]
+    for copy in patching.copies:
+        prompt = prompts[copy.prompt]
+        rid = f"{prompt_rid(prompt.index)}-{copy.role[0]}{copy.spec:03d}"
+        requests.append(make_request(rid, prompt, s, steer[prompt.index], (), copy.entries, stage=1,
+                                     role=copy.role, meta={"patch": copy.spec, "source": copy.source}))
+    bank = bank_rows_for(cfg, len(patching.sources) + len(patching.refs))
     return Plan(
         requests=tuple(requests),
         vectors=vectors,
-        engine_spec=engine_spec,
+        engine_spec=engine_spec_of(requests, bank),
         captures=tuple(layouts),
         requests_sha256=requests_hash(requests),
+        sources=patching.sources,
+        refs=patching.refs,
+        skipped=tuple(patching.skipped),
     )
-
-
-def _cache_salt(steer: list) -> str | None:
-    """KV computed under steering is only shared with requests steered the same way (vLLM's cache_salt)."""
-    if not steer:
-        return None
-    canonical = json.dumps(sorted(steer), separators=(",", ":"))
-    return "interp-" + hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
 
 def requests_hash(requests: Sequence[EngineRequest]) -> str:
@@ -260,7 +383,8 @@ def requests_hash(requests: Sequence[EngineRequest]) -> str:
         raise TypeError(type(obj))
 
     canonical = [
-        {"rid": r.rid, "tokens": list(r.prompt.token_ids), "sampling": r.sampling, "salt": r.cache_salt}
+        {"rid": r.rid, "tokens": list(r.prompt.token_ids), "sampling": r.sampling, "stage": r.stage,
+         "condition": r.condition}
         for r in requests
     ]
     blob = json.dumps(canonical, sort_keys=True, default=default, separators=(",", ":"))

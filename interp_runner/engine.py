@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .compiler import Plan
+from .compiler import EngineRequest
 from .config.schema import EngineConfig
 from .payload import EngineSpec, plugin_fingerprint
 from .plugin import ENABLE_ENV
@@ -29,6 +30,9 @@ class RequestResult:
     logprobs: list[float]  # of each sampled token
     top_logprobs: list[list[tuple[int, float]]] | None = None
     captures: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # site -> (positions, values)
+    score: dict | None = None  # token_ids, logprobs (exact, any rank), top_id, top_logprob
+    void: str | None = None  # why its patches could not be applied: it must not count as patched
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def on_gpu() -> bool:
@@ -93,43 +97,55 @@ class VllmEngine:
         return statuses[0]
 
     def supports(self, spec: EngineSpec) -> bool:
-        return set(spec.steer_sites) <= set(self.spec.steer_sites) and set(spec.capture_sites) <= set(
-            self.spec.capture_sites
-        )
+        return self.spec.covers(spec)
 
-    def run(self, plan: Plan, use_tqdm: bool = True) -> list[RequestResult]:
-        if not self.supports(plan.engine_spec):
-            raise EngineError("this engine was built for other interp sites than the plan needs")
-        if plan.vectors:
+    def register_sources(self, sources: dict[str, np.ndarray]) -> None:
+        """Patch sources into the workers' bank, kept until released."""
+        if sources:
+            blobs = {k: np.asarray(v, dtype=np.float32).tobytes() for k, v in sources.items()}
+            self.llm.collective_rpc("interp_register_sources", args=(blobs,))
+
+    def release_sources(self, keys: Sequence[str]) -> None:
+        if keys:
+            self.llm.collective_rpc("interp_release_sources", args=(list(keys),))
+
+    def run(self, requests: Sequence[EngineRequest], vectors: dict[str, np.ndarray] | None = None,
+            use_tqdm: bool = True) -> dict[str, RequestResult]:
+        """Submit the requests together; results by request id."""
+        if vectors:
             self.llm.collective_rpc(
-                "interp_register_vectors", args=({k: v.astype(np.float32).tobytes() for k, v in plan.vectors.items()},)
+                "interp_register_vectors", args=({k: v.astype(np.float32).tobytes() for k, v in vectors.items()},)
             )
+        if not requests:
+            return {}
         outputs = self.llm.generate(
-            [r.engine_prompt() for r in plan.requests],
-            [r.sampling_params() for r in plan.requests],
+            [r.engine_prompt() for r in requests],
+            [r.sampling_params() for r in requests],
             use_tqdm=use_tqdm,
         )
-        rids = [r.rid for r in plan.requests]
-        captured = {}
+        rids = [r.rid for r in requests]
+        collected = {}
         for per_rank in self.llm.collective_rpc("interp_collect", args=(rids,)):
-            captured.update(per_rank)
-        results = []
-        for request, output in zip(plan.requests, outputs):
+            collected.update(per_rank)
+        results = {}
+        for request, output in zip(requests, outputs):
             completion = output.outputs[0]
             chosen, top = [], []
             for token, entry in zip(completion.token_ids, completion.logprobs or []):
                 chosen.append(float(entry[token].logprob))
                 top.append(sorted(((t, float(lp.logprob)) for t, lp in entry.items()), key=lambda x: -x[1]))
-            results.append(
-                RequestResult(
-                    rid=request.rid,
-                    prompt_index=request.prompt.index,
-                    token_ids=list(completion.token_ids),
-                    text=completion.text,
-                    logprobs=chosen,
-                    top_logprobs=top if request.sampling.get("logprobs") else None,
-                    captures=captured.get(request.rid, {}),
-                )
+            worker = collected.get(request.rid, {})
+            results[request.rid] = RequestResult(
+                rid=request.rid,
+                prompt_index=request.prompt.index,
+                token_ids=list(completion.token_ids),
+                text=completion.text,
+                logprobs=chosen,
+                top_logprobs=top if request.sampling.get("logprobs") else None,
+                captures=worker.get("captures", {}),
+                score=worker.get("score"),
+                void=worker.get("void"),
+                cached_tokens=int(output.num_cached_tokens or 0),
             )
         return results
 

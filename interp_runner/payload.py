@@ -6,20 +6,31 @@ Request payload (msgpack-able)::
 
     {"rid": "r00003",                                   # stable id of the request in the plan
      "steer": [[site, phases, vector_key, scale], ...], # phases: PREFILL | DECODE bit mask
-     "capture": [[sites, prompt_positions, generated]]} # prompt_positions: int32 bytes
+     "capture": [[sites, prompt_positions, generated]], # prompt_positions: int32 bytes
+     "patch": {"site": int32 bytes, "pos": int32 bytes, # one entry per (site, position):
+               "src": [source_key, ...],                #   value <- a * value + b * source
+               "a": float32 bytes, "b": float32 bytes},
+     "score": int32 bytes,                              # token ids scored after the last prompt token
+     "kv": [[start, end, digest], ...]}                 # what changes the KV of positions [start, end)
 
-Vectors are registered on the workers once per engine, keyed by the sha256 of their float32 bytes.
+Steering vectors are registered on the workers once per engine, keyed by the sha256 of their float32 bytes;
+patch sources likewise, in a bank of rows that stays on the workers while requests use them. Before binding, a
+source key may be a reference ``ref:<run digest>:<site>:<position>`` to a value an earlier request captures.
+``kv`` ranges (end -1: open) feed the prefix-cache block hashes, so KV is shared only between requests whose
+interventions up to the end of a block are the same.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
 PAYLOAD_KEY = "interp"
+REF_PREFIX = "ref:"
 ENGINE_KEY = "interp"
 PREFILL = 1
 DECODE = 2
@@ -28,6 +39,11 @@ DECODE = 2
 def vector_key(vector: np.ndarray) -> str:
     data = np.ascontiguousarray(vector, dtype=np.float32).tobytes()
     return hashlib.sha256(data).hexdigest()[:32]
+
+
+def digest(obj) -> str:
+    """A short content hash of a JSON-able value."""
+    return hashlib.sha256(json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()).hexdigest()[:24]
 
 
 def pack_positions(positions) -> bytes:
@@ -44,6 +60,8 @@ class EngineSpec:
 
     steer_sites: tuple[int, ...]
     capture_sites: tuple[int, ...]
+    patch_sites: tuple[int, ...] = ()
+    bank_rows: int = 0  # patch source rows the workers keep at once
 
     def as_additional_config(self) -> dict:
         return {
@@ -51,18 +69,28 @@ class EngineSpec:
                 "plugin": plugin_fingerprint(),
                 "steer_sites": list(self.steer_sites),
                 "capture_sites": list(self.capture_sites),
+                "patch_sites": list(self.patch_sites),
+                "bank_rows": int(self.bank_rows),
             }
         }
+
+    def covers(self, other: EngineSpec) -> bool:
+        return (
+            set(other.steer_sites) <= set(self.steer_sites)
+            and set(other.capture_sites) <= set(self.capture_sites)
+            and set(other.patch_sites) <= set(self.patch_sites)
+            and other.bank_rows <= self.bank_rows
+        )
 
 
 def plugin_fingerprint() -> str:
     """Hash of the plugin's source: part of vLLM's compile-cache key, so no stale graph is reused."""
     from interp_runner import plugin, sites
-    from interp_runner.plugin import layers, ops, runtime
+    from interp_runner.plugin import layers, ops, prefix_cache, runtime
 
     import interp_runner_kernels.reference as reference
 
     h = hashlib.sha256()
-    for module in (plugin, layers, ops, runtime, reference, sites):
+    for module in (plugin, layers, ops, prefix_cache, runtime, reference, sites):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:16]

@@ -1,4 +1,4 @@
-"""One run, top to bottom: validate -> compile -> start engine -> run -> write store -> mark complete.
+"""One run, top to bottom: validate -> compile -> start engine -> run stages -> write store -> mark complete.
 
 Takes the resolved config as a plain dict; knows nothing of Hydra.
 """
@@ -10,13 +10,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from . import provenance
-from .compiler import Plan, compile_plan
+from .compiler import EngineRequest, Plan, compile_plan
 from .config import ConfigError, RunConfig, validate_config
 from .config.schema import resolve_path
-from .models.facts import ModelFacts, UnsupportedModel
+from .models.facts import ModelFacts, UnsupportedModel, embedding_rows
 from .models.materialize import model_path
 from .store import STATUS_COMPLETE, STATUS_FAILED, mark, open_store, results_dataset, write_results
+from .tokens import TextTokenizer
 
 
 @dataclass
@@ -24,17 +27,11 @@ class Prepared:
     cfg: RunConfig
     facts: ModelFacts
     plan: Plan
+    tokenizer: TextTokenizer
 
 
-def load_tokenizer(folder: Path, chat_template: bool) -> Callable[[str], list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    if chat_template:
-        return lambda text: tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    return lambda text: tokenizer(text)["input_ids"]
+def load_tokenizer(folder: Path, chat_template: bool) -> TextTokenizer:
+    return TextTokenizer(folder, chat_template)
 
 
 def prepare(config: dict, base: Path | None = None) -> Prepared:
@@ -53,8 +50,61 @@ def prepare(config: dict, base: Path | None = None) -> Prepared:
         facts = ModelFacts.from_folder(folder)
     except UnsupportedModel as err:
         raise ConfigError.at("model", str(err)) from None
-    plan = compile_plan(cfg, facts, load_tokenizer(folder, cfg.prompts.chat_template), base)
-    return Prepared(cfg, facts, plan)
+    tokenizer = load_tokenizer(folder, cfg.prompts.chat_template)
+    plan = compile_plan(cfg, facts, tokenizer, base, embeddings=lambda ids: embedding_rows(folder, ids))
+    return Prepared(cfg, facts, plan, tokenizer)
+
+
+def _runnable(request: EngineRequest, by_rid: dict, results: dict) -> bool:
+    """A request conditioned on another runs only if that one predicted its answer."""
+    if request.condition is None:
+        return True
+    done = results.get(request.condition)
+    wanted = by_rid[request.condition].prompt.answer_ids
+    return done is not None and done.score is not None and bool(wanted) and done.score["top_id"] == wanted[0]
+
+
+def _ref_values(plan: Plan, keys: set[str], results: dict) -> dict[str, np.ndarray]:
+    """Captured values behind source references; a missing one stays unregistered and its users are voided."""
+    values = {}
+    for key in keys:
+        rid, site, position = plan.refs[key]
+        found = results.get(rid)
+        got = found.captures.get(site) if found is not None else None
+        if got is None:
+            continue
+        at = np.flatnonzero(got[0] == position)
+        if at.size:
+            values[key] = got[1][at[0]]
+    return values
+
+
+def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bool = True) -> dict:
+    """Run the plan's stages on ``engine``; results by request id (requests whose condition failed are absent).
+
+    Each stage is one submission, so continuous batching sees all of it; its patch sources stay registered on
+    the workers until the whole stage has finished."""
+    if not engine.supports(plan.engine_spec):
+        from .engine import EngineError
+
+        raise EngineError("this engine was built for other interp sites than the plan needs")
+    by_rid = {r.rid: r for r in plan.requests}
+    results: dict = {}
+    for stage in range(plan.num_stages):
+        requests = [r for r in plan.requests if r.stage == stage and _runnable(r, by_rid, results)]
+        held = [r for r in plan.requests if r.stage == stage]
+        if len(requests) < len(held):
+            log(f"stage {stage}: {len(held) - len(requests)} requests left out (their clean run missed the answer)")
+        keys = {k for r in requests for k in ((r.payload or {}).get("patch") or {}).get("src", ())}
+        sources = {k: plan.sources[k] for k in keys if k in plan.sources}
+        sources.update(_ref_values(plan, keys & plan.refs.keys(), results))
+        engine.register_sources(sources)
+        try:
+            log(f"stage {stage}: {len(requests)} requests")
+            results.update(engine.run(requests, plan.vectors if stage == 0 else None, use_tqdm=use_tqdm))
+        finally:
+            engine.release_sources(list(sources))
+    return results
 
 
 def default_store_path(run_dir: Path) -> Path:
@@ -72,8 +122,12 @@ def run(
     started_at = provenance.now()
     prepared = prepare(config, base=Path.cwd())
     cfg, facts, plan = prepared.cfg, prepared.facts, prepared.plan
-    log(f"plan: {len(plan.requests)} requests, {len(plan.vectors)} vectors, "
-        f"{len(plan.engine_spec.steer_sites)} steered / {len(plan.engine_spec.capture_sites)} captured sites")
+    spec = plan.engine_spec
+    log(f"plan: {len(plan.requests)} requests in {plan.num_stages} stage(s), {len(plan.vectors)} vectors, "
+        f"{len(spec.steer_sites)} steered / {len(spec.capture_sites)} captured / {len(spec.patch_sites)} patched "
+        f"sites, {spec.bank_rows} patch sources")
+    for skipped in plan.skipped:
+        log(f"warning: patch positions skipped where the prompts differ: {skipped}")
     if cfg.dry_run:
         log(f"dry run: config valid, requests sha256 {plan.requests_sha256}")
         return None
@@ -87,15 +141,25 @@ def run(
 
             engine_factory = VllmEngine
         log(f"starting engine on {facts.path}")
-        engine = engine_factory(facts.path, cfg.engine, plan.engine_spec)
-        results = engine.run(plan)
-        ds = results_dataset(plan, results, facts.hidden_size)
+        engine = engine_factory(facts.path, cfg.engine, spec)
+        results = execute(engine, plan, log)
+        ds = results_dataset(plan, results, facts.hidden_size, prepared.tokenizer)
         write_results(store_path, ds)
+        figures = []
+        if plan.trace is not None and cfg.causal_trace.plots:
+            import xarray as xr
+
+            from .plots import write_figures
+
+            written = xr.open_zarr(str(store_path), consolidated=False)  # the figures show what the store holds
+            figures = [str(p) for p in write_figures(written, store_path.parent / "figures")]
+            log(f"figures: {store_path.parent / 'figures'} ({len(figures)} files)")
         mark(
             store_path,
             STATUS_COMPLETE,
             finished_at=provenance.now(),
             engine={"dtype": engine.dtype, "plugin_status": engine.status},
+            figures=figures,
         )
     except BaseException as err:
         mark(store_path, STATUS_FAILED, finished_at=provenance.now(), error="".join(

@@ -8,6 +8,14 @@ Layout (``xarray.open_zarr(path)``):
 - per capture entry NAME: ``NAME`` (request, NAME_hook, NAME_layer, NAME_slot, hidden) with coordinate
   ``NAME_position`` (request, NAME_slot) giving the token position of each slot (-1 and NaN where unused).
 
+With answers to score (prompt ``answer``/``foil``): ``answer_logprob``, ``answer_prob``, ``foil_logprob``,
+``logit_diff``, ``top_token`` (request), exact whatever the answer's rank. With ``patching``: requests also cover
+the patched copies and in-batch baselines (``role``, ``prompt_index``, ``patch``), with ``recovered``
+= (patched - corrupt) / (clean - corrupt) on answer probabilities, ``below_noise_floor``, and attributes
+``noise_floor`` (largest |in-batch - solo| probability of an unpatched destination), ``skipped_positions`` and
+``voided``. A causal trace writes its grids instead (``interp_runner.causal_trace.trace_dataset``): dims
+(fact, kind, layer, token), per-fact scores, subject spans, the noise, ROME's averaged effects by token role.
+
 Root attributes hold the manifest (``interp_runner.provenance``) and ``status``: ``running`` while the run goes,
 ``complete`` only after every array was written, ``failed`` (with ``error``) otherwise.
 """
@@ -52,11 +60,12 @@ def _padded(rows: list, fill, dtype) -> np.ndarray:
     return out
 
 
-def _capture_arrays(layout: CaptureLayout, results: list[RequestResult], hidden: int) -> dict:
+def _capture_arrays(layout: CaptureLayout, pairs: list, hidden: int) -> dict:
     name = layout.name
+    results = [result for _, result in pairs]
     per_request_positions = []
-    for result in results:
-        if result.prompt_index not in layout.prompt_indices:
+    for request, result in pairs:
+        if result is None or request.role != "prompt" or result.prompt_index not in layout.prompt_indices:
             per_request_positions.append(np.zeros(0, dtype=np.int32))
             continue
         sites = [site_id(layer, hook) for hook in layout.hooks for layer in layout.layers]
@@ -69,6 +78,8 @@ def _capture_arrays(layout: CaptureLayout, results: list[RequestResult], hidden:
         (len(results), len(layout.hooks), len(layout.layers), width, hidden), np.nan, dtype=np.float32
     )
     for r, (result, positions) in enumerate(zip(results, per_request_positions)):
+        if not len(positions):
+            continue
         for h, hook in enumerate(layout.hooks):
             for l, layer in enumerate(layout.layers):
                 got = result.captures.get(site_id(layer, hook))
@@ -91,37 +102,95 @@ def _capture_arrays(layout: CaptureLayout, results: list[RequestResult], hidden:
     }
 
 
-def results_dataset(plan: Plan, results: list[RequestResult], hidden: int) -> xr.Dataset:
-    by_index = sorted(results, key=lambda r: r.prompt_index)
+def _score_arrays(plan: Plan, pairs: list) -> tuple[dict, dict]:
+    """Scores, and for patched requests the recovered fraction and noise floor: (data vars, attributes)."""
+    n = len(pairs)
+    answer, foil = np.full(n, np.nan), np.full(n, np.nan)
+    top = np.full(n, -1, dtype=np.int32)
+    for i, (_, result) in enumerate(pairs):
+        if result is not None and result.score is not None:
+            lps = result.score["logprobs"]
+            answer[i] = lps[0]
+            foil[i] = lps[1] if len(lps) > 1 else np.nan
+            top[i] = result.score["top_id"]
+    prob = np.exp(answer)
+    data = {
+        "answer_logprob": ("request", answer.astype(np.float32)),
+        "answer_prob": ("request", prob.astype(np.float32)),
+        "foil_logprob": ("request", foil.astype(np.float32)),
+        "logit_diff": ("request", (answer - foil).astype(np.float32)),
+        "top_token": ("request", top),
+    }
+    if plan.num_stages == 1:
+        return data, {}
+    solo = {r.prompt.index: i for i, (r, _) in enumerate(pairs) if r.role == "prompt"}
+    recovered = np.full(n, np.nan)
+    gaps = []
+    for i, (request, result) in enumerate(pairs):
+        corrupt = prob[solo[request.prompt.index]]
+        if request.role == "baseline":
+            gaps.append(abs(prob[i] - corrupt))
+        elif request.role == "patched" and request.meta.get("source") is not None:
+            clean = prob[solo[request.meta["source"]]]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                recovered[i] = (prob[i] - corrupt) / (clean - corrupt)
+    floor = float(np.nanmax(gaps, initial=0.0)) if gaps else 0.0
+    corrupt_of = np.array([prob[solo[r.prompt.index]] for r, _ in pairs])
+    data["recovered"] = ("request", recovered.astype(np.float32))
+    data["below_noise_floor"] = ("request", np.abs(prob - corrupt_of) <= floor)
+    return data, {"noise_floor": floor}
+
+
+def results_dataset(plan: Plan, results: dict[str, RequestResult], hidden: int, tokenizer=None) -> xr.Dataset:
+    """Results by request id -> the store's dataset (requests in plan order)."""
+    if plan.trace is not None:
+        from .causal_trace import trace_dataset
+
+        return trace_dataset(plan, results, tokenizer)
+    pairs = [(r, results.get(r.rid)) for r in plan.requests]
+    ran = [res for _, res in pairs]
     prompts = [r.prompt for r in plan.requests]
+    status = ["skipped" if res is None else "void" if res.void else "done" for res in ran]
     data_vars = {
         "prompt_tokens": (("request", "prompt_position"), _padded([p.token_ids for p in prompts], -1, np.int32)),
         "prompt_len": ("request", np.array([len(p.token_ids) for p in prompts], dtype=np.int32)),
-        "tokens": (("request", "generated"), _padded([r.token_ids for r in by_index], -1, np.int32)),
-        "num_generated": ("request", np.array([len(r.token_ids) for r in by_index], dtype=np.int32)),
-        "logprob": (("request", "generated"), _padded([r.logprobs for r in by_index], np.nan, np.float32)),
-        "text": ("request", _strings([r.text for r in by_index])),
+        "tokens": (("request", "generated"), _padded([res.token_ids if res else [] for res in ran], -1, np.int32)),
+        "num_generated": ("request", np.array([len(res.token_ids) if res else 0 for res in ran], dtype=np.int32)),
+        "logprob": (("request", "generated"), _padded([res.logprobs if res else [] for res in ran], np.nan,
+                                                      np.float32)),
+        "text": ("request", _strings([res.text if res else "" for res in ran])),
+        "status": ("request", _strings(status)),
     }
     k = plan.requests[0].sampling.get("logprobs") or 0
     if k:
-        ids = [[[t for t, _ in step[:k]] for step in r.top_logprobs] for r in by_index]
-        lps = [[[lp for _, lp in step[:k]] for step in r.top_logprobs] for r in by_index]
-        width = max(len(x) for x in ids)
-        top_ids = np.full((len(by_index), max(width, 1), k), -1, dtype=np.int32)
+        steps = [res.top_logprobs if res and res.top_logprobs else [] for res in ran]
+        width = max((len(x) for x in steps), default=0)
+        top_ids = np.full((len(ran), max(width, 1), k), -1, dtype=np.int32)
         top_lps = np.full(top_ids.shape, np.nan, dtype=np.float32)
-        for i, (a, b) in enumerate(zip(ids, lps)):
-            for j, (x, y) in enumerate(zip(a, b)):
-                top_ids[i, j, : len(x)], top_lps[i, j, : len(y)] = x, y
+        for i, request_steps in enumerate(steps):
+            for j, step in enumerate(request_steps):
+                top_ids[i, j, : len(step[:k])] = [t for t, _ in step[:k]]
+                top_lps[i, j, : len(step[:k])] = [lp for _, lp in step[:k]]
         data_vars["top_token_ids"] = (("request", "generated", "top_k"), top_ids)
         data_vars["top_logprob"] = (("request", "generated", "top_k"), top_lps)
+    attrs = {}
+    if any(p.answer_ids for p in prompts):
+        scores, attrs = _score_arrays(plan, pairs)
+        data_vars.update(scores)
+    if plan.num_stages > 1:
+        attrs["skipped_positions"] = list(plan.skipped)
+        attrs["voided"] = [{"request": r.rid, "reason": res.void} for r, res in pairs if res is not None and res.void]
     coords = {
         "request": _strings([r.rid for r in plan.requests]),
         "prompt_id": ("request", _strings([p.id for p in prompts])),
         "prompt": ("request", _strings([p.text for p in prompts])),
+        "prompt_index": ("request", np.array([p.index for p in prompts], dtype=np.int32)),
+        "role": ("request", _strings([r.role for r in plan.requests])),
+        "patch": ("request", np.array([r.meta.get("patch", -1) for r in plan.requests], dtype=np.int32)),
     }
-    ds = xr.Dataset(data_vars, coords=coords)
+    ds = xr.Dataset(data_vars, coords=coords, attrs=attrs)
     for layout in plan.captures:
-        arrays = _capture_arrays(layout, by_index, hidden)
+        arrays = _capture_arrays(layout, pairs, hidden)
         ds[layout.name] = arrays.pop(layout.name)
         ds = ds.assign_coords(arrays)
     return ds
@@ -133,5 +202,5 @@ def write_results(path: Path, ds: xr.Dataset) -> None:
         if var.ndim == 5:  # captures: one chunk per (request, hook), all layers and positions
             encoding[name] = {"chunks": (1, 1) + var.shape[2:]}
     # to_zarr replaces the root attributes with the dataset's: carry the manifest over
-    ds = ds.assign_attrs(dict(zarr.open_group(str(path), mode="r").attrs))
+    ds = ds.assign_attrs({**dict(zarr.open_group(str(path), mode="r").attrs), **ds.attrs})
     ds.to_zarr(str(path), mode="a", zarr_format=3, consolidated=False, encoding=encoding)

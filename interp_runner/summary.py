@@ -4,7 +4,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import xarray as xr
+
+
+def _trace_summary(ds: xr.Dataset) -> None:
+    print(f"  noise std {ds.attrs['noise_std']:.4f}, {ds.attrs['noise_samples']} sample(s); "
+          f"noise floor {ds.attrs['noise_floor']:.2e}; filtered facts: {ds.attrs['filtered_facts'] or 'none'}")
+    for f in range(ds.sizes["fact"]):
+        line = (f"  [{ds['fact_id'].values[f]}] {str(ds['prompt'].values[f])!r} -> {str(ds['answer'].values[f])!r}: "
+                f"p clean {float(ds['clean_prob'][f]):.3f}, corrupt {float(ds['corrupt_prob'][f]):.3f}")
+        if bool(ds["filtered"][f]):
+            print(line + "  (filtered: the clean run does not predict the answer)")
+            continue
+        best = []
+        for kind in ds["kind"].values:
+            grid = ds["indirect_effect"].sel(kind=kind).isel(fact=f).values
+            layer, token = np.unravel_index(np.nanargmax(grid), grid.shape)
+            text = str(ds["token_text"].values[f, token])
+            best.append(f"{kind} {grid[layer, token]:+.3f} @ L{int(ds['layer'][layer])} {text!r}")
+        print(line + "; largest indirect effects: " + ", ".join(best))
 
 
 def print_summary(store: Path, max_rows: int = 8) -> None:
@@ -12,11 +31,19 @@ def print_summary(store: Path, max_rows: int = 8) -> None:
     attrs = ds.attrs
     print(f"\n{attrs['experiment']['name']} v{attrs['experiment']['version']}  status={attrs['status']}  "
           f"model={Path(attrs['model']['path']).name} ({attrs.get('engine', {}).get('dtype')})")
+    if "fact" in ds.dims:
+        _trace_summary(ds)
+        for path in attrs.get("figures", [])[:1]:
+            print(f"  figures: {Path(path).parent}")
+        print(f"store: {store}")
+        return
     for i in range(min(ds.sizes["request"], max_rows)):
         prompt = str(ds["prompt"].values[i])
         text = str(ds["text"].values[i])
         mean_lp = float(ds["logprob"].isel(request=i).mean(skipna=True))
-        print(f"  [{ds['prompt_id'].values[i]}] {prompt!r} -> {text!r}  (mean logprob {mean_lp:.3f})")
+        score = f", p(answer) {float(ds['answer_prob'][i]):.3f}" if "answer_prob" in ds else ""
+        print(f"  [{ds['request'].values[i]} {ds['role'].values[i]}] {prompt!r} -> {text!r}  "
+              f"(mean logprob {mean_lp:.3f}{score})")
     if ds.sizes["request"] > max_rows:
         print(f"  ... {ds.sizes['request'] - max_rows} more")
     captured = [name for name, v in ds.data_vars.items() if v.ndim == 5]

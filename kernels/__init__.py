@@ -3,6 +3,6 @@
 Each primitive has a plain-torch implementation here (used on CPU, and the reference for faster kernels).
 """
 
-from .reference import gather_add, gather_rows
+from .reference import gather_add, gather_rows, patch_pair, patch_rows
 
-__all__ = ["gather_add", "gather_rows"]
+__all__ = ["gather_add", "gather_rows", "patch_pair", "patch_rows"]

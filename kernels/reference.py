@@ -1,4 +1,9 @@
-"""Plain-torch row primitives. Shapes: x [T, D]; table [S, D]; row_slot [>=T] int64; rows [K] int64."""
+"""Plain-torch row primitives. Shapes: x [T, D]; table [S, D]; row_slot [>=T] int64; rows [K] int64.
+
+Patching reads per-row buffers of at least T rows: ``idx`` (bank row), ``coef`` (a, b) float32, ``mask`` bool.
+A patched row becomes ``a * value + b * bank[idx]`` computed in float32: (a, b) = (1 - alpha, alpha) patches
+toward a source (alpha = 1 is an exact replacement), (1, 1) adds the bank row. Unmasked rows keep their bits.
+"""
 
 import torch
 
@@ -14,3 +19,22 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor, extra: torch.Tensor | None 
     if extra is not None:
         out = out + extra.index_select(0, rows)
     return out
+
+
+def _patched(value: torch.Tensor, bank, idx, coef) -> torch.Tensor:
+    n = value.shape[0]
+    return coef[:n, :1] * value + coef[:n, 1:] * bank.index_select(0, idx[:n]).float()
+
+
+def patch_rows(x, bank, idx, coef, mask) -> torch.Tensor:
+    """x with its masked rows patched."""
+    new = _patched(x.float(), bank, idx, coef).to(x.dtype)
+    return torch.where(mask[: x.shape[0], None], new, x)
+
+
+def patch_pair(x, extra, bank, idx, coef, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream kept as two halves (x + extra): a masked row gets the patched stream in x and zero in
+    extra, so the later add yields exactly the patched value; other rows keep both halves bit for bit."""
+    m = mask[: x.shape[0], None]
+    new = _patched(x.float() + extra.float(), bank, idx, coef).to(x.dtype)
+    return torch.where(m, new, x), torch.where(m, torch.zeros_like(extra), extra)

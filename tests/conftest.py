@@ -56,6 +56,7 @@ def base_config(model: str = "tiny_random", **overrides) -> dict:
     return cfg
 
 
+BANK_ROWS = 8192
 ALL_HOOKS = ["pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"]
 
 
@@ -65,30 +66,37 @@ def every_site(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(site_id(layer, hook) for layer in range(num_layers) for hook in ALL_HOOKS))
 
 
-def build_engine(path: Path, steer_sites, capture_sites, **engine):
+def build_engine(path: Path, steer_sites, capture_sites, patch_sites=(), bank_rows=0, **engine):
     from interp_runner.config.schema import EngineConfig
     from interp_runner.engine import VllmEngine
     from interp_runner.payload import EngineSpec
 
     settings = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 16, **engine}
-    return VllmEngine(str(path), EngineConfig(**settings), EngineSpec(tuple(steer_sites), tuple(capture_sites)))
+    spec = EngineSpec(tuple(steer_sites), tuple(capture_sites), tuple(patch_sites), bank_rows)
+    return VllmEngine(str(path), EngineConfig(**settings), spec)
 
 
 def run_config(engine, config: dict, **sampling_extra):
-    """Compile ``config`` (a plain dict) and run it on ``engine``; results in prompt order."""
-    from interp_runner.pipeline import prepare
+    """Compile ``config`` (a plain dict) and run it on ``engine``; the prompts' (stage-0) results in prompt order."""
+    plan, results = run_plan(engine, config, **sampling_extra)
+    return plan, [results[r.rid] for r in plan.requests if r.role == "prompt"]
+
+
+def run_plan(engine, config: dict, **sampling_extra):
+    """Compile and run every stage of ``config``; (plan, results by request id)."""
+    from interp_runner.pipeline import execute, prepare
 
     plan = prepare(config).plan
     for request in plan.requests:
         request.sampling.update(sampling_extra)
-    results = engine.run(plan, use_tqdm=False)
-    return plan, sorted(results, key=lambda r: r.prompt_index)
+    return plan, execute(engine, plan, log=lambda _: None, use_tqdm=False)
 
 
 def engine_at_every_site(path: Path, num_layers: int, **engine):
-    """An engine (fp32, eager unless overridden) with steering and capture ops at every site; closed after use."""
+    """An engine (fp32, eager unless overridden) with steering, capture and patch ops at every site; closed
+    after use."""
     sites = every_site(num_layers)
-    built = build_engine(path, sites, sites, **engine)
+    built = build_engine(path, sites, sites, sites, BANK_ROWS, **engine)
     yield built
     built.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,3 +68,26 @@ def test_cli_config_error_exits_2_and_starts_nothing(tmp_path):
     assert proc.returncode == 2
     assert "capture[0].layers[0]: 9 out of range, model has 4 layers" in proc.stderr
     assert not (run_dir / "results.zarr").exists()
+
+
+def test_cli_causal_trace_writes_grids_and_figures(tmp_path):
+    store = tmp_path / "trace.zarr"
+    proc = interp_run(
+        "+experiment=causal_trace", "model=tiny_random", "engine=eager", "causal_trace.num_facts=2",
+        "causal_trace.noise.samples=2", "causal_trace.window=2", "causal_trace.layers=[0,3]",
+        "causal_trace.filter=false",  # a random model predicts none of the answers
+        f"store.path={store}", f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stage 1:" in proc.stdout and f"store: {store}" in proc.stdout
+    ds = xr.open_zarr(str(store), consolidated=False)
+    attrs = dict(zarr.open_group(str(store), mode="r").attrs)
+    assert attrs["status"] == "complete" and attrs["experiment"]["name"] == "causal_trace"
+    assert ds["indirect_effect"].dims == ("fact", "kind", "layer", "token")
+    assert ds["indirect_effect"].shape[:3] == (2, 3, 2) and list(ds["layer"].values) == [0, 3]
+    for f, n in enumerate(ds["num_tokens"].values):
+        assert np.isfinite(ds["restored_prob"].values[f, :, :, :n]).all()
+        assert np.isnan(ds["restored_prob"].values[f, :, :, n:]).all()
+    assert ds["restored_logprob_samples"].sizes["sample"] == 2
+    figures = [Path(p) for p in attrs["figures"]]
+    assert len(figures) == 2 * 3 + 1 and all(p.exists() and p.stat().st_size > 0 for p in figures)

@@ -1,5 +1,5 @@
 """The compiler on tiny_random (4 layers, hidden 128) with its real tokenizer: vectors, payloads, phases, layer
-and position selectors, engine sites, cache salts, prefix-cache skipping, the request hash, and that the
+and position selectors, engine sites, prefix-cache (kv) ranges, prefix-cache skipping, the request hash, and that the
 requests are valid vLLM SamplingParams whose payload survives msgpack. No engine is started.
 """
 
@@ -97,7 +97,7 @@ def test_sampling_fields(compile_):
         s = r.sampling
         assert (s["max_tokens"], s["temperature"], s["top_p"], s["logprobs"]) == (7, 0.5, 0.9, 4)
         assert s["seed"] == 11 + i  # seed of prompt i is seed + i
-        assert s["extra_args"] is None and s["skip_reading_prefix_cache"] is None and r.cache_salt is None
+        assert s["extra_args"] is None and s["skip_reading_prefix_cache"] is None and r.kv_ranges == []
     assert compile_(cfg()).requests[0].sampling["logprobs"] == 0
 
 
@@ -262,9 +262,8 @@ def test_request_steering_without_global(compile_):
     config = cfg(steering={"request": [{"prompts": [2], "base": {"post_block": {"layer": 0, "vector": [1.0] * HIDDEN}}}]})
     plan = compile_(config)
     assert [payload(r) is None for r in plan.requests] == [True, True, False, True]
-    assert [r.cache_salt is None for r in plan.requests] == [True, True, False, True]
-    assert plan.requests[2].engine_prompt()["cache_salt"] == plan.requests[2].cache_salt
-    assert "cache_salt" not in plan.requests[0].engine_prompt()
+    assert [r.kv_ranges == [] for r in plan.requests] == [True, True, False, True]
+    assert "cache_salt" not in plan.requests[2].engine_prompt()
 
 
 @pytest.mark.parametrize(
@@ -316,7 +315,7 @@ def test_capture_positions(compile_, positions, expect, generated):
         sites, got, gen = capture_entry(r)
         assert sites == [site_id(1, "post_block")]
         assert got == expect(n) and gen is generated
-        assert "steer" not in payload(r) and r.cache_salt is None
+        assert "steer" not in payload(r) and r.kv_ranges == []
 
 
 def test_capture_sites_layout_and_engine_spec(compile_):
@@ -362,40 +361,49 @@ def test_engine_spec_sites_and_additional_config(compile_):
 # ---------------------------------------------------------------- prefix caching
 
 
-def test_cache_salt(compile_):
+def kv_digest(request, start: int) -> str | None:
+    return next((d for a, _, d in request.kv_ranges if a == start), None)
+
+
+def test_kv_ranges_key_prefix_cache_blocks_by_steering(compile_):
     a, b = [1.0] * HIDDEN, [2.0] * HIDDEN
     config = cfg(steering={"request": [
         {"prompts": [0, 1], "base": {"post_block": {"layer": 0, "vector": a}}},
         {"prompts": [2], "base": {"post_block": {"layer": 0, "vector": b}}},
     ]}, capture=[{"hooks": ["post_block"], "positions": "last_prompt"}])
     plan = compile_(config)
-    salts = [r.cache_salt for r in plan.requests]
-    assert salts[0] is not None and salts[0].startswith("interp-")
-    assert salts[0] == salts[1]  # identically steered prompts share KV
-    assert salts[2] is not None and salts[2] != salts[0]  # a different vector
-    assert salts[3] is None  # capture only: shares KV with unsteered requests
-    # a different scale, layer, hook or tier is a different salt; the same steering compiles to the same salt
-    base_salt = salts[0]
-    for term, tier in [
-        ({"layer": 0, "vector": a, "scale": 2.0}, "base"),
-        ({"layer": 1, "vector": a}, "base"),
-        ({"layer": 0, "vector": a}, "prefill"),
-    ]:
-        other = compile_(cfg(steering={"request": [{"prompts": [0], tier: {"post_block": term}}]}))
-        assert other.requests[0].cache_salt not in (None, base_salt)
-    other = compile_(cfg(steering={"request": [{"prompts": [0], "base": {"mlp_out": {"layer": 0, "vector": a}}}]}))
-    assert other.requests[0].cache_salt not in (None, base_salt)
+    for r in plan.requests[:3]:  # base steering: the prompt's positions and the generated ones
+        n = len(r.prompt.token_ids)
+        assert [(s, e) for s, e, _ in r.kv_ranges] == [(0, n), (n, -1)]
+    assert kv_digest(plan.requests[0], 0) == kv_digest(plan.requests[1], 0)  # identically steered: shared
+    assert kv_digest(plan.requests[2], 0) != kv_digest(plan.requests[0], 0)  # a different vector
+    assert plan.requests[3].kv_ranges == []  # capture only: shares KV with unsteered requests
+    # a different scale, layer or hook is a different digest; the same steering compiles to the same one
+    base = kv_digest(plan.requests[0], 0)
+    for term, hook in [({"layer": 0, "vector": a, "scale": 2.0}, "post_block"), ({"layer": 1, "vector": a}, "post_block"),
+                       ({"layer": 0, "vector": a}, "mlp_out")]:
+        other = compile_(cfg(steering={"request": [{"prompts": [0], "base": {hook: term}}]}))
+        assert kv_digest(other.requests[0], 0) not in (None, base)
     same = compile_(cfg(steering={"global": {"base": {"post_block": {"layer": 0, "vector": a}}}}))
-    assert {r.cache_salt for r in same.requests} == {base_salt}
+    assert {kv_digest(r, 0) for r in same.requests} == {base}
 
 
-def test_cache_salt_ignores_term_order(compile_):
+def test_kv_ranges_follow_the_tier(compile_):
+    a = [1.0] * HIDDEN
+    prefill = compile_(cfg(steering={"global": {"prefill": {"post_block": {"layer": 0, "vector": a}}}})).requests[0]
+    decode = compile_(cfg(steering={"global": {"decode": {"post_block": {"layer": 0, "vector": a}}}})).requests[0]
+    n = len(prefill.prompt.token_ids)
+    assert [(s, e) for s, e, _ in prefill.kv_ranges] == [(0, n)]
+    assert [(s, e) for s, e, _ in decode.kv_ranges] == [(n, -1)]  # the prompt's KV stays shared
+
+
+def test_kv_ranges_ignore_term_order(compile_):
     a, b = [1.0] * HIDDEN, [2.0] * HIDDEN
     one = compile_(cfg(steering={"request": [{"prompts": 0, "base": {"post_block": [
         {"layer": 0, "vector": a}, {"layer": 1, "vector": b}]}}]}))
     two = compile_(cfg(steering={"request": [{"prompts": 0, "base": {"post_block": [
         {"layer": 1, "vector": b}, {"layer": 0, "vector": a}]}}]}))
-    assert one.requests[0].cache_salt == two.requests[0].cache_salt
+    assert one.requests[0].kv_ranges == two.requests[0].kv_ranges
 
 
 @pytest.mark.parametrize(

@@ -110,7 +110,7 @@ def written(prepared, tmp_path_factory):
     open_store(path, manifest)
     statuses.append(dict(zarr.open_group(str(path), mode="r").attrs)["status"])
     # the engine hands results back in completion order, not prompt order
-    write_results(path, results_dataset(prepared.plan, results[::-1], HIDDEN))
+    write_results(path, results_dataset(prepared.plan, {r.rid: r for r in results[::-1]}, HIDDEN))
     statuses.append(dict(zarr.open_group(str(path), mode="r").attrs)["status"])
     mark(path, STATUS_COMPLETE, finished_at=provenance.now())
     statuses.append(dict(zarr.open_group(str(path), mode="r").attrs)["status"])
@@ -260,7 +260,7 @@ def test_open_store_replaces_an_old_store(tmp_path, prepared):
     manifest = make_manifest(prepared, store_config())
     results, _ = fake_results(prepared.plan)
     open_store(path, manifest)
-    write_results(path, results_dataset(prepared.plan, results, HIDDEN))
+    write_results(path, results_dataset(prepared.plan, {r.rid: r for r in results}, HIDDEN))
     mark(path, STATUS_COMPLETE)
     open_store(path, manifest)
     attrs = dict(zarr.open_group(str(path), mode="r").attrs)
@@ -287,14 +287,30 @@ def test_failed_run_leaves_a_failed_store(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+class FakeEngineBase:
+    """The engine interface the pipeline drives, doing nothing."""
+
+    dtype = "float32"
+    status = {"loaded": True}
+
+    def __init__(self, *args):
+        pass
+
+    def supports(self, spec):
+        return True
+
+    def register_sources(self, sources):
+        pass
+
+    def release_sources(self, keys):
+        pass
+
+
 def test_engine_failure_mid_run_also_marks_failed(tmp_path):
     store = tmp_path / "failed.zarr"
 
-    class DiesInRun:
-        def __init__(self, *args):
-            pass
-
-        def run(self, plan):
+    class DiesInRun(FakeEngineBase):
+        def run(self, requests, vectors=None, use_tqdm=True):
             assert dict(zarr.open_group(str(store), mode="r").attrs)["status"] == STATUS_RUNNING
             raise KeyboardInterrupt()
 
@@ -309,16 +325,13 @@ def test_pipeline_with_fake_engine_completes(tmp_path):
     config = store_config(store={"path": str(store)})
     seen = {}
 
-    class FakeEngine:
-        dtype = "float32"
-        status = {"loaded": True}
-
+    class FakeEngine(FakeEngineBase):
         def __init__(self, model_path, engine_cfg, spec):
             seen["spec"] = spec
 
-        def run(self, plan):
+        def run(self, requests, vectors=None, use_tqdm=True):
             seen["status"] = dict(zarr.open_group(str(store), mode="r").attrs)["status"]
-            return fake_results(plan)[0]
+            return {r.rid: r for r in fake_results(prepare(config).plan)[0]}
 
     assert run(config, tmp_path / "run", engine_factory=FakeEngine, log=lambda _: None) == store
     assert seen["status"] == STATUS_RUNNING

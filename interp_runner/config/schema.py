@@ -127,6 +127,14 @@ class CaptureSpec(Strict):
 class PromptItem(Strict):
     text: str = Field(min_length=1)
     id: str | None = None
+    answer: str | None = None  # scored: its exact log-probability after the prompt
+    foil: str | None = None  # scored beside the answer (logit difference)
+
+    @model_validator(mode="after")
+    def _foil_needs_answer(self) -> PromptItem:
+        if self.foil is not None and self.answer is None:
+            raise ValueError("'foil' needs an 'answer'")
+        return self
 
 
 class Prompts(Strict):
@@ -139,6 +147,71 @@ class Prompts(Strict):
         if self.items and self.file:
             raise ValueError("give either 'items' or 'file', not both")
         return self
+
+
+class Span(Strict):
+    """The tokens of a substring of the prompt (its ``occurrence``-th appearance, from 0)."""
+
+    span: str = Field(min_length=1)
+    occurrence: int = Field(0, ge=0)
+
+
+class PatchSource(Strict):
+    """Exactly one: the captured run of another prompt, a vector, or zeros."""
+
+    prompt: StrictInt | None = Field(None, ge=0)
+    vector: VectorSpec | None = None
+    zeros: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PatchSource:
+        given = [f for f in ("prompt", "vector") if getattr(self, f) is not None] + (["zeros"] if self.zeros else [])
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, vector, zeros (got {given or 'none'})")
+        return self
+
+
+class PatchSpec(Strict):
+    """value <- (1 - alpha) * value + alpha * source at (hook, layers, positions) of the destination prompts."""
+
+    prompts: PromptSelector
+    source: PatchSource
+    hook: Hook
+    layers: LayerSelector
+    positions: Union[Literal["all"], IndexList, Span] = "all"
+    alpha: float = Field(1.0, ge=0, le=1)
+
+
+class Scoring(Strict):
+    first_token: bool = False  # score the first token of a multi-token answer instead of refusing it
+
+
+class Noise(Strict):
+    k: float = Field(3.0, gt=0)  # std = k * std of the subjects' token embeddings
+    samples: int = Field(3, ge=1)
+    seed: int = 0
+
+
+class CausalTrace(Strict):
+    """ROME-style causal tracing over a JSONL of facts: {id, subject, prompt, answer[, foil, corrupt_prompt]}."""
+
+    facts: str
+    num_facts: int | None = Field(None, ge=1)  # the first N facts
+    corruption: Literal["noise", "counterfactual"] = "noise"
+    noise: Noise = Noise()
+    kinds: list[Literal["resid", "mlp", "attn"]] = Field(["resid", "mlp", "attn"], min_length=1)
+    resid_hook: Literal["pre_attn", "post_attn", "post_block"] = "post_block"
+    window: int = Field(10, ge=1)
+    layers: LayerSelector = "all"  # restored layers (window centres for mlp/attn)
+    filter: bool = True  # drop facts whose clean prediction is not the answer (ROME), listing them
+    plots: bool = True
+
+    @field_validator("kinds")
+    @classmethod
+    def _distinct_kinds(cls, kinds: list[str]) -> list[str]:
+        if len(kinds) != len(set(kinds)):
+            raise ValueError(f"kinds repeat: {kinds}")
+        return kinds
 
 
 class Sampling(Strict):
@@ -159,6 +232,7 @@ class EngineConfig(Strict):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
     enable_prefix_caching: bool = True
+    patch_bank_rows: int | None = Field(None, ge=1)  # default: what the plan needs
     seed: int = 0
 
 
@@ -186,8 +260,21 @@ class RunConfig(Strict):
     vectors: dict[str, VectorSpec] = {}
     steering: Steering = Steering()
     capture: list[CaptureSpec] = []
+    patching: list[PatchSpec] = []
+    scoring: Scoring = Scoring()
+    causal_trace: CausalTrace | None = None
     store: StoreConfig = StoreConfig()
     dry_run: bool = False
+
+    @model_validator(mode="after")
+    def _trace_runs_alone(self) -> RunConfig:
+        if self.causal_trace is not None:
+            for key in ("steering", "capture", "patching"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise ValueError(f"'{key}' cannot be combined with 'causal_trace'")
+            if self.prompts.items or self.prompts.file:
+                raise ValueError("'prompts' cannot be combined with 'causal_trace' (its facts are the prompts)")
+        return self
 
     @field_validator("capture")
     @classmethod

@@ -53,3 +53,18 @@ def weights_sha256(folder: Path) -> str:
             for block in iter(lambda: fh.read(1 << 24), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+def embedding_rows(folder: Path, token_ids) -> "np.ndarray":
+    """Rows of the input embedding matrix (float32), read straight from the safetensors files."""
+    import numpy as np
+    from safetensors import safe_open
+
+    ids = np.asarray(token_ids, dtype=np.int64)
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            name = next((k for k in fh.keys() if k.endswith("embed_tokens.weight")), None)
+            if name is not None:
+                table = fh.get_slice(name)
+                return np.stack([table[int(i) : int(i) + 1].float().numpy()[0] for i in ids])
+    raise UnsupportedModel(f"no embed_tokens.weight in {folder}")

@@ -2,8 +2,9 @@
 
 vLLM's block returns ``(hidden, residual)`` and defers the add into the next fused add+norm, so the residual
 stream at a site is ``hidden + residual``. Steering the stream adds to ``residual``; capturing it adds the halves
-on the copied rows only. Sites without an op cost nothing: which sites carry one is fixed when the engine is
-built (``additional_config``), so compiled graphs see plain, static code.
+on the copied rows only; patching it (``interp::site_pair``) replaces both halves of the patched rows. Sites
+without an op cost nothing: which sites carry one is fixed when the engine is built (``additional_config``), so
+compiled graphs see plain, static code.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from interp_runner.payload import ENGINE_KEY
 from interp_runner.sites import site_id
 
 from . import runtime
-from .ops import apply_site
+from .ops import apply_pair, apply_site
 
 
 
@@ -28,24 +29,29 @@ def instrumented_forward(self, positions, hidden_states, residual, **kwargs):
         return self._interp_original_forward(positions, hidden_states, residual, **kwargs)
 
     def at(hook, x, extra):
+        """(x, extra) after the site's op; extra is only replaced where the site patches the stream."""
         site = sites.get(hook)
-        return x if site is None else apply_site(x, extra, site)
+        if site is None:
+            return x, extra
+        if extra is not None and site in self._interp_pair_sites:
+            return apply_pair(x, extra, site)
+        return apply_site(x, extra, site), extra
 
     if residual is None:
-        hidden_states = at("pre_attn", hidden_states, None)
+        hidden_states, _ = at("pre_attn", hidden_states, None)
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
     else:
-        residual = at("pre_attn", residual, hidden_states)
+        residual, hidden_states = at("pre_attn", residual, hidden_states)
         hidden_states, residual = self.input_layernorm(hidden_states, residual)
     hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-    hidden_states = at("attn_out", hidden_states, None)
-    residual = at("post_attn", residual, hidden_states)
+    hidden_states, _ = at("attn_out", hidden_states, None)
+    residual, hidden_states = at("post_attn", residual, hidden_states)
 
     hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
     hidden_states = self.mlp(hidden_states)
-    hidden_states = at("mlp_out", hidden_states, None)
-    residual = at("post_block", residual, hidden_states)
+    hidden_states, _ = at("mlp_out", hidden_states, None)
+    residual, hidden_states = at("post_block", residual, hidden_states)
     return hidden_states, residual
 
 
@@ -61,12 +67,13 @@ def _instrumented_init(original_init):
         state = runtime.state_for_current_engine(spec)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         layer = extract_layer_index(prefix)
-        active = set(spec["steer_sites"]) | set(spec["capture_sites"])
+        active = set(spec["steer_sites"]) | set(spec["capture_sites"]) | set(spec["patch_sites"])
         self._interp_sites = {
             hook: site_id(layer, hook)
             for hook in ("pre_attn", "attn_out", "post_attn", "mlp_out", "post_block")
             if site_id(layer, hook) in active
         }
+        self._interp_pair_sites = frozenset(s for s in self._interp_sites.values() if s in state.patch_index)
         self._interp_state = state
         state.instrumented_layers.add(layer)
 

@@ -1,8 +1,10 @@
-"""The interp custom op. One op serves every site; what it does there is read from persistent buffers.
+"""The interp custom ops. What they do at a site is read from persistent buffers.
 
-``interp::site(x, extra, site)`` returns ``x`` plus the row's steering vector for that site, and, on steps that
-capture, copies the selected rows of the resulting value (plus ``extra``: the other half of the residual stream
-that vLLM keeps apart) out before any later op can change them in place.
+``interp::site(x, extra, site)`` returns ``x`` plus the row's steering vector for that site, patched where the
+step patches that site, and, on steps that capture, copies the selected rows of the result (plus ``extra``: the
+other half of the residual stream that vLLM keeps apart) out before any later op can change them in place.
+``interp::site_pair(x, extra, site)`` does the same at residual-stream sites that patch, returning both halves,
+since a patched row must own the whole stream.
 """
 
 import torch
@@ -18,14 +20,24 @@ def _site_impl(x: torch.Tensor, extra: Optional[torch.Tensor], site: int) -> tor
     return runtime.active_state().apply_site(x, extra, site)
 
 
+def _site_pair_impl(x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return runtime.active_state().apply_pair(x, extra, site)
+
+
 def register_ops() -> None:
     global _ops_registered
     if _ops_registered:
         return
     op = torch.library.custom_op("interp::site", mutates_args=())(_site_impl)
     op.register_fake(lambda x, extra, site: torch.empty_like(x))
+    pair = torch.library.custom_op("interp::site_pair", mutates_args=())(_site_pair_impl)
+    pair.register_fake(lambda x, extra, site: (torch.empty_like(x), torch.empty_like(extra)))
     _ops_registered = True
 
 
 def apply_site(x: torch.Tensor, extra: torch.Tensor | None, site: int) -> torch.Tensor:
     return torch.ops.interp.site(x, extra, site)
+
+
+def apply_pair(x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.interp.site_pair(x, extra, site)

@@ -1,0 +1,341 @@
+"""ROME-style causal tracing (Meng et al. 2022): compile a fact set into one batched sweep, and turn its scores
+into effect grids.
+
+Per fact: a clean run (stage 0) captures every state a restore needs and scores the answer; corrupted runs
+(Gaussian noise on the subject's token embeddings, or a counterfactual prompt) give the corrupt score. Stage 1
+holds every cell of the grid, each a corrupted run with clean states restored at one (kind, layer, token):
+``resid`` restores the residual stream (``resid_hook``) of one layer, ``mlp`` / ``attn`` the MLP / attention
+outputs of a window of layers ``range(max(0, L - w/2), min(n_layers, L + w/2))``, as in ROME. Stage 1 also reruns
+the corrupted baselines inside the batch: their distance to the stage-0 scores is the noise floor. Facts whose
+clean prediction is not the answer are filtered out (their cells never run) and listed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .compiler import (
+    EngineRequest, Plan, Prompt, answer_token, bank_rows_for, check_length, engine_spec_of, make_request,
+    parse_layers, requests_hash,
+)
+from .config.errors import ConfigError
+from .config.schema import RunConfig, resolve_path
+from .models.facts import ModelFacts
+from .patching import align, capture_groups, run_digest, source_ref, span_positions
+from .payload import vector_key
+from .sites import site_id
+
+KIND_HOOK = {"mlp": "mlp_out", "attn": "attn_out"}
+ROLES = ("first subject", "middle subject", "last subject", "first subsequent", "further tokens", "last token")
+
+
+@dataclass(frozen=True)
+class TraceFact:
+    index: int
+    id: str
+    subject: str
+    answer: str
+    clean: Prompt
+    corrupt: Prompt  # the prompt the cells run (the clean one under noise)
+    subject_positions: tuple[int, ...]  # in the clean prompt
+    skipped: tuple[int, ...] = ()  # corrupt-prompt positions with no clean counterpart
+
+    @property
+    def corrupt_subject(self) -> tuple[int, ...]:
+        """The subject's positions in the prompt the cells run: the differing middle of a counterfactual prompt
+        of another length, else the clean subject's."""
+        return self.skipped or self.subject_positions
+
+
+@dataclass(frozen=True)
+class TraceLayout:
+    facts: tuple[TraceFact, ...]
+    kinds: tuple[str, ...]
+    layers: tuple[int, ...]
+    num_layers: int
+    window: int
+    samples: int
+    corruption: str
+    noise_std: float
+    filter: bool
+    noise: dict = field(default_factory=dict)  # fact index -> [samples, subject tokens, hidden]
+
+    def window_layers(self, layer: int) -> list[int]:
+        half = self.window // 2
+        return list(range(max(0, layer - half), min(self.num_layers, layer + self.window - half)))
+
+    def restore_sites(self, kind: str, layer: int, resid_hook: str) -> list[int]:
+        if kind == "resid":
+            return [site_id(layer, resid_hook)]
+        return [site_id(lay, KIND_HOOK[kind]) for lay in self.window_layers(layer)]
+
+
+def clean_rid(f: int) -> str:
+    return f"f{f:03d}-clean"
+
+
+def corrupt_rid(f: int, s: int, in_batch: bool = False) -> str:
+    return f"f{f:03d}-corrupt-s{s}" + ("-batch" if in_batch else "")
+
+
+def cell_rid(f: int, kind: str, layer: int, token: int, s: int) -> str:
+    return f"f{f:03d}-{kind}-L{layer:02d}-t{token:03d}-s{s}"
+
+
+def load_facts(cfg: RunConfig, tokenizer, base: Path | None) -> list[TraceFact]:
+    trace = cfg.causal_trace
+    path = resolve_path(trace.facts, base)
+    if not path.exists():
+        raise ConfigError.at("causal_trace.facts", f"fact file not found: {path}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if trace.num_facts is not None:
+        rows = rows[: trace.num_facts]
+    if not rows:
+        raise ConfigError.at("causal_trace.facts", f"{path} holds no facts")
+    facts = []
+    for i, row in enumerate(rows):
+        where = f"causal_trace.facts[{i}]"
+        missing = [k for k in ("subject", "prompt", "answer") if not row.get(k)]
+        if missing:
+            raise ConfigError.at(where, f"fact has no {', '.join(missing)}")
+        ids = tuple(int(t) for t in tokenizer(row["prompt"]))
+        scored = [answer_token(tokenizer, row["answer"], where + ".answer", cfg.scoring.first_token)]
+        if row.get("foil"):
+            scored.append(answer_token(tokenizer, row["foil"], where + ".foil", cfg.scoring.first_token))
+        clean = Prompt(index=i, id=row.get("id") or f"fact{i}", text=row["prompt"], token_ids=ids,
+                       answer_ids=tuple(scored))
+        subject = span_positions(tokenizer, row["prompt"], row["subject"])
+        if not subject:
+            raise ConfigError.at(where + ".subject", f"{row['subject']!r} is not in the prompt {row['prompt']!r}")
+        corrupt, skipped = clean, ()
+        if trace.corruption == "counterfactual":
+            if not row.get("corrupt_prompt"):
+                raise ConfigError.at(where + ".corrupt_prompt", "counterfactual corruption needs a corrupt_prompt")
+            cids = tuple(int(t) for t in tokenizer(row["corrupt_prompt"]))
+            corrupt = Prompt(index=i, id=clean.id, text=row["corrupt_prompt"], token_ids=cids, answer_ids=clean.answer_ids)
+            mapped, skipped = align(ids, cids, range(len(cids)))
+            if not mapped:
+                raise ConfigError.at(where + ".corrupt_prompt", "cannot be aligned with the prompt")
+            skipped = tuple(skipped)
+        facts.append(TraceFact(i, clean.id, row["subject"], row["answer"], clean, corrupt, tuple(subject), skipped))
+    return facts
+
+
+def noise_scale(facts: list[TraceFact], embeddings, k: float) -> float:
+    """k times the standard deviation of the token embeddings of the facts' subjects (ROME)."""
+    ids = [f.clean.token_ids[p] for f in facts for p in f.subject_positions]
+    return float(k * np.std(embeddings(ids), ddof=1))
+
+
+def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | None, embeddings) -> Plan:
+    trace = cfg.causal_trace
+    if set(trace.kinds) & set(KIND_HOOK) and trace.window > facts_.num_layers:
+        raise ConfigError.at("causal_trace.window",
+                             f"{trace.window} is larger than the model, which has {facts_.num_layers} layers")
+    layers = tuple(parse_layers(trace.layers, facts_.num_layers, "causal_trace.layers"))
+    facts = load_facts(cfg, tokenizer, base)
+    check_length(cfg, [f.clean for f in facts] + [f.corrupt for f in facts], 1)
+    samples = trace.noise.samples if trace.corruption == "noise" else 1
+    std = noise_scale(facts, embeddings, trace.noise.k) if trace.corruption == "noise" else 0.0
+    layout = TraceLayout(tuple(facts), tuple(trace.kinds), layers, facts_.num_layers, trace.window, samples,
+                         trace.corruption, std, trace.filter)
+    s = cfg.sampling
+    embed_site = site_id(0, "pre_attn")
+    restore_hooks = {trace.resid_hook if k == "resid" else KIND_HOOK[k] for k in trace.kinds}
+    clean_sites = sorted(site_id(lay, hook) for hook in restore_hooks for lay in range(facts_.num_layers))
+
+    requests: list[EngineRequest] = []
+    sources: dict[str, np.ndarray] = {}
+    refs: dict[str, tuple[str, int, int]] = {}
+    for fact in facts:
+        f = fact.index
+        n = len(fact.clean.token_ids)
+        condition = clean_rid(f) if trace.filter else None
+        capture = capture_groups({site: set(range(n)) for site in clean_sites})
+        requests.append(make_request(clean_rid(f), fact.clean, s, capture=capture, max_tokens=1,
+                                     meta={"fact": f, "part": "clean"}))
+        run = run_digest(fact.clean, [])
+        corrupt_entries = []
+        if trace.corruption == "noise":
+            noise = np.random.default_rng([trace.noise.seed, f]).standard_normal(
+                (samples, len(fact.subject_positions), facts_.hidden_size)) * std
+            layout.noise[f] = noise.astype(np.float32)
+            for sample in range(samples):
+                entries = []
+                for j, pos in enumerate(fact.subject_positions):
+                    vec = layout.noise[f][sample, j]
+                    key = "vec:" + vector_key(vec)
+                    sources[key] = vec
+                    entries.append((embed_site, pos, key, 1.0, 1.0))  # add the noise to the embedding
+                corrupt_entries.append(entries)
+        else:
+            corrupt_entries.append([])
+        mapped = dict(align(fact.clean.token_ids, fact.corrupt.token_ids, range(len(fact.corrupt.token_ids)))[0])
+        for sample, noise_entries in enumerate(corrupt_entries):
+            meta = {"fact": f, "part": "corrupt", "sample": sample}
+            requests.append(make_request(corrupt_rid(f, sample), fact.corrupt, s, patch=noise_entries, max_tokens=1,
+                                         meta=meta))
+            requests.append(make_request(corrupt_rid(f, sample, True), fact.corrupt, s, patch=noise_entries,
+                                         max_tokens=1, stage=1, role="baseline", meta={**meta, "in_batch": True},
+                                         condition=condition))
+            for kind in trace.kinds:
+                for layer in layers:
+                    sites = layout.restore_sites(kind, layer, trace.resid_hook)
+                    for token, clean_pos in sorted(mapped.items()):
+                        restore = []
+                        for site in sites:
+                            ref = source_ref(run, site, clean_pos)
+                            refs[ref] = (clean_rid(f), site, clean_pos)
+                            restore.append((site, token, ref, 0.0, 1.0))
+                        restored = {(site, token) for site, *_ in restore}
+                        noise = [e for e in noise_entries if (e[0], e[1]) not in restored]  # a restore wins
+                        requests.append(make_request(
+                            cell_rid(f, kind, layer, token, sample), fact.corrupt, s, patch=noise + restore,
+                            max_tokens=1, stage=1, role="patched", condition=condition,
+                            meta={"fact": f, "part": "cell", "kind": kind, "layer": layer, "token": token,
+                                  "sample": sample}))
+    bank = bank_rows_for(cfg, len(sources) + len(refs))
+    return Plan(
+        requests=tuple(requests), vectors={}, engine_spec=engine_spec_of(requests, bank), captures=(),
+        requests_sha256=requests_hash(requests), sources=sources, refs=refs,
+        skipped=tuple({"fact": f.index, "positions": list(f.skipped)} for f in facts if f.skipped), trace=layout,
+    )
+
+
+# -- results -> grids -----------------------------------------------------------------------------------
+
+
+def _roles(fact: TraceFact, num_tokens: int) -> dict[str, list[int]]:
+    """Token positions (of the corrupt prompt, which cells are indexed by) in each of ROME's roles."""
+    subj = list(fact.corrupt_subject)
+    first, last = subj[0], subj[-1]
+    return {
+        "first subject": [first], "middle subject": subj[1:-1], "last subject": [last],
+        "first subsequent": [last + 1] if last + 1 < num_tokens else [],
+        "further tokens": list(range(last + 2, num_tokens - 1)), "last token": [num_tokens - 1],
+    }
+
+
+def trace_dataset(plan: Plan, results: dict, tokenizer=None):
+    """The effect grids of a finished trace as an xarray Dataset (see ``interp_runner.store``)."""
+    import xarray as xr
+
+    layout: TraceLayout = plan.trace
+    F, K, L = len(layout.facts), len(layout.kinds), len(layout.layers)
+    T = max(len(f.corrupt.token_ids) for f in layout.facts)
+    S = layout.samples
+    grid_lp = np.full((F, K, L, T, S), np.nan, dtype=np.float64)
+    grid_foil = np.full_like(grid_lp, np.nan)
+    clean_lp, clean_foil = np.full(F, np.nan), np.full(F, np.nan)
+    corrupt_lp, corrupt_foil = np.full((F, S), np.nan), np.full((F, S), np.nan)
+    batch_lp = np.full((F, S), np.nan)
+    clean_top = np.full(F, -1, dtype=np.int64)
+    voided = []
+    kind_index = {k: i for i, k in enumerate(layout.kinds)}
+    layer_index = {lay: i for i, lay in enumerate(layout.layers)}
+    for request in plan.requests:
+        result = results.get(request.rid)
+        if result is None or result.score is None:
+            if result is not None and result.void:
+                voided.append({"request": request.rid, "reason": result.void})
+            continue
+        lps = result.score["logprobs"]
+        answer, foil = float(lps[0]), float(lps[1]) if len(lps) > 1 else np.nan
+        m = request.meta
+        f = m["fact"]
+        if m["part"] == "clean":
+            clean_lp[f], clean_foil[f], clean_top[f] = answer, foil, result.score["top_id"]
+        elif m["part"] == "corrupt":
+            if m.get("in_batch"):
+                batch_lp[f, m["sample"]] = answer
+            else:
+                corrupt_lp[f, m["sample"]], corrupt_foil[f, m["sample"]] = answer, foil
+        else:
+            at = (f, kind_index[m["kind"]], layer_index[m["layer"]], m["token"], m["sample"])
+            grid_lp[at], grid_foil[at] = answer, foil
+
+    answers = np.array([f.clean.answer_ids[0] for f in layout.facts])
+    filtered = (clean_top != answers) & layout.filter
+    with np.errstate(invalid="ignore"):
+        restored_prob = np.exp(grid_lp).mean(-1)
+        corrupt_prob = np.exp(corrupt_lp).mean(-1)
+        clean_prob = np.exp(clean_lp)
+        indirect = restored_prob - corrupt_prob[:, None, None, None]
+        recovered = indirect / (clean_prob - corrupt_prob)[:, None, None, None]
+        logit_diff = (grid_lp - grid_foil).mean(-1)
+        noise_floor = float(np.nanmax(np.abs(np.exp(batch_lp) - np.exp(corrupt_lp)), initial=0.0))
+    restored_prob[filtered] = np.nan
+    indirect[filtered] = np.nan
+
+    avg = np.full((K, L, len(ROLES)), np.nan)
+    for r, role in enumerate(ROLES):
+        per_fact = []
+        for fact in layout.facts:
+            if filtered[fact.index]:
+                continue
+            positions = _roles(fact, len(fact.corrupt.token_ids))[role]
+            if positions:
+                per_fact.append(np.nanmean(indirect[fact.index][:, :, positions], axis=-1))
+        if per_fact:
+            avg[:, :, r] = np.nanmean(np.stack(per_fact), axis=0)
+
+    texts = np.full((F, T), "", dtype=object)
+    if tokenizer is not None:
+        for fact in layout.facts:
+            texts[fact.index, : len(fact.corrupt.token_ids)] = tokenizer.token_texts(fact.corrupt.token_ids)
+    max_subj = max(len(f.subject_positions) for f in layout.facts)
+    noise = np.full((F, S, max_subj, layout.noise[0].shape[-1] if layout.noise else 1), np.nan, dtype=np.float32)
+    for f, values in layout.noise.items():
+        noise[f, :, : values.shape[1]] = values
+
+    strings = np.dtypes.StringDType()
+    grid = ("fact", "kind", "layer", "token")
+    ds = xr.Dataset(
+        {
+            "restored_prob": (grid, restored_prob.astype(np.float32)),
+            "indirect_effect": (grid, indirect.astype(np.float32)),
+            "recovered": (grid, recovered.astype(np.float32)),
+            "restored_logit_diff": (grid, logit_diff.astype(np.float32)),
+            "restored_logprob_samples": (grid + ("sample",), grid_lp.astype(np.float32)),
+            "above_noise_floor": (grid, np.abs(indirect) > noise_floor),
+            "clean_prob": ("fact", clean_prob.astype(np.float32)),
+            "clean_logit_diff": ("fact", (clean_lp - clean_foil).astype(np.float32)),
+            "corrupt_prob": ("fact", corrupt_prob.astype(np.float32)),
+            "corrupt_logprob_samples": (("fact", "sample"), corrupt_lp.astype(np.float32)),
+            "corrupt_logprob_in_batch": (("fact", "sample"), batch_lp.astype(np.float32)),
+            "total_effect": ("fact", (clean_prob - corrupt_prob).astype(np.float32)),
+            "clean_top_token": ("fact", clean_top.astype(np.int32)),
+            "clean_correct": ("fact", clean_top == answers),
+            "answer_token": ("fact", answers.astype(np.int32)),
+            "filtered": ("fact", filtered),
+            "num_tokens": ("fact", np.array([len(f.corrupt.token_ids) for f in layout.facts], dtype=np.int32)),
+            "prompt_tokens": (("fact", "token"), np.array(
+                [list(f.corrupt.token_ids) + [-1] * (T - len(f.corrupt.token_ids)) for f in layout.facts],
+                dtype=np.int32)),
+            "token_text": (("fact", "token"), texts.astype(strings)),
+            "subject_start": ("fact", np.array([f.corrupt_subject[0] for f in layout.facts], dtype=np.int32)),
+            "subject_end": ("fact", np.array([f.corrupt_subject[-1] + 1 for f in layout.facts], dtype=np.int32)),
+            "subject": ("fact", np.array([f.subject for f in layout.facts], dtype=strings)),
+            "prompt": ("fact", np.array([f.corrupt.text for f in layout.facts], dtype=strings)),
+            "answer": ("fact", np.array([f.answer for f in layout.facts], dtype=strings)),
+            "noise": (("fact", "sample", "subject_token", "hidden"), noise),
+            "avg_indirect_effect": (("kind", "layer", "role"), avg.astype(np.float32)),
+        },
+        coords={
+            "fact_id": ("fact", np.array([f.id for f in layout.facts], dtype=strings)),
+            "kind": np.array(layout.kinds, dtype=strings),
+            "layer": np.array(layout.layers, dtype=np.int32),
+            "role": np.array(ROLES, dtype=strings),
+        },
+        attrs={
+            "window": layout.window, "corruption": layout.corruption, "noise_std": layout.noise_std,
+            "noise_samples": layout.samples, "noise_floor": noise_floor,
+            "filtered_facts": [layout.facts[i].id for i in np.flatnonzero(filtered)],
+            "voided": voided, "skipped_positions": list(plan.skipped),
+        },
+    )
+    return ds

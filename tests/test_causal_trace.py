@@ -1,0 +1,267 @@
+"""Causal tracing: compiled grid, bad inputs, and the grid on SmolLM2 against plain HF transformers hooks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import hf_oracle
+from conftest import REPO, run_plan
+from interp_runner.causal_trace import ROLES, trace_dataset
+from interp_runner.config import ConfigError
+from interp_runner.pipeline import prepare
+from interp_runner.sites import site_id
+
+FACTS = REPO / "experiments" / "causal_trace" / "facts.jsonl"
+LAYERS = [0, 4, 11, 18, 29]
+
+
+def trace_config(model="smollm2_135m", **trace) -> dict:
+    return {
+        "model": {"name": model},
+        "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256},
+        "prompts": {"items": []},
+        "causal_trace": {"facts": str(FACTS), "num_facts": 2, **trace},
+    }
+
+
+def write_facts(tmp_path, rows) -> str:
+    path = tmp_path / "facts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+# -- compiling --------------------------------------------------------------------------------------------
+
+
+def test_the_grid_compiles_into_one_batched_stage():
+    plan = prepare(trace_config(noise={"samples": 2}, layers=LAYERS)).plan
+    layout = plan.trace
+    cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
+    tokens = sum(len(f.clean.token_ids) for f in layout.facts)
+    assert len(cells) == 2 * 3 * len(LAYERS) * tokens  # samples x kinds x layers x tokens
+    assert {r.stage for r in cells} == {1} and all(r.condition and r.condition.endswith("clean") for r in cells)
+    assert [r.rid for r in plan.requests if r.stage == 0] == [
+        "f000-clean", "f000-corrupt-s0", "f000-corrupt-s1", "f001-clean", "f001-corrupt-s0", "f001-corrupt-s1"]
+    # ROME's window: range(max(0, L - w/2), min(n, L + w/2))
+    assert layout.window_layers(0) == list(range(0, 5))
+    assert layout.window_layers(11) == list(range(6, 16))
+    assert layout.window_layers(29) == list(range(24, 30))
+    last = len(layout.facts[0].clean.token_ids) - 1
+    cell = next(r for r in cells if r.meta == {"fact": 0, "part": "cell", "kind": "mlp", "layer": 11,
+                                               "token": last - 1, "sample": 1})
+    patch = cell.payload["patch"]
+    sites = np.frombuffer(patch["site"], dtype=np.int32).tolist()
+    positions = np.frombuffer(patch["pos"], dtype=np.int32).tolist()
+    subject = list(layout.facts[0].subject_positions)
+    assert sites == [site_id(0, "pre_attn")] * len(subject) + [site_id(lay, "mlp_out") for lay in range(6, 16)]
+    assert positions == subject + [last - 1] * 10
+    assert np.frombuffer(patch["a"], dtype=np.float32).tolist() == [1.0] * len(subject) + [0.0] * 10
+    # every cell of one noise sample shares the KV of the positions before its restored token
+    noise_ranges = [r for r in cell.kv_ranges if r[0] in subject]
+    same_sample = next(r for r in cells if r.meta["fact"] == 0 and r.meta["sample"] == 1 and r.meta["token"] == last)
+    assert [r for r in same_sample.kv_ranges if r[0] in subject] == noise_ranges
+
+
+def test_noise_scale_is_k_times_the_subject_embedding_std(smollm2_path):
+    from interp_runner.models.facts import embedding_rows
+
+    plan = prepare(trace_config(noise={"k": 3.0, "samples": 1, "seed": 4})).plan
+    layout = plan.trace
+    ids = [f.clean.token_ids[p] for f in layout.facts for p in f.subject_positions]
+    want = 3.0 * np.std(embedding_rows(smollm2_path, ids), ddof=1)
+    assert layout.noise_std == pytest.approx(want, rel=1e-6)
+    again = prepare(trace_config(noise={"k": 3.0, "samples": 1, "seed": 4})).plan.trace
+    np.testing.assert_array_equal(layout.noise[0], again.noise[0])  # seeded
+    assert abs(np.std(layout.noise[0]) / want - 1) < 0.1
+
+
+@pytest.mark.parametrize(
+    "row, trace, key, reason",
+    [
+        ({"answer": " Parisian capital"}, {}, "causal_trace.facts[0].answer", "tokens"),
+        ({"subject": "The Louvre"}, {}, "causal_trace.facts[0].subject", "is not in the prompt"),
+        ({}, {"window": 31}, "causal_trace.window", "larger than the model"),
+        ({"corrupt_prompt": "Completely different words here"}, {"corruption": "counterfactual"},
+         "causal_trace.facts[0].corrupt_prompt", "cannot be aligned"),
+        ({}, {"corruption": "counterfactual"}, "causal_trace.facts[0].corrupt_prompt", "needs a corrupt_prompt"),
+        ({}, {"layers": [30]}, "causal_trace.layers[0]", "out of range"),
+    ],
+)
+def test_bad_trace_inputs_name_the_key(tmp_path, row, trace, key, reason):
+    fact = {"id": "eiffel", "subject": "The Eiffel Tower", "prompt": "The Eiffel Tower is located in the city of",
+            "answer": " Paris", **row}
+    with pytest.raises(ConfigError) as err:
+        prepare({**trace_config(**trace), "causal_trace": {"facts": write_facts(tmp_path, [fact]), **trace}})
+    (path, why), = err.value.problems
+    assert path == key and reason in why, err.value.problems
+
+
+@pytest.mark.parametrize(
+    "patching, key, reason",
+    [
+        ({"source": {"prompt": 5}}, "patching[0].source.prompt", "out of range"),
+        ({"positions": {"span": "Louvre"}}, "patching[0].positions.span", "is not in prompt 1"),
+        ({"positions": [40]}, "patching[0].positions[0]", "beyond prompt 1"),
+        ({"prompts": [0]}, "patching[0].source.prompt", "cannot patch itself"),
+        ({"layers": [4]}, "patching[0].layers[0]", "out of range"),
+    ],
+)
+def test_bad_patch_inputs_name_the_key(patching, key, reason):
+    config = {
+        "model": {"name": "tiny_random"},
+        "prompts": {"items": ["The Eiffel Tower is in Paris", "The Colosseum is in Rome"]},
+        "patching": [{"prompts": [1], "source": {"prompt": 0}, "hook": "post_block", "layers": "all", **patching}],
+    }
+    with pytest.raises(ConfigError) as err:
+        prepare(config)
+    (path, why), = err.value.problems
+    assert path == key and reason in why, err.value.problems
+
+
+def test_unalignable_patch_prompts_are_refused_and_partial_ones_listed():
+    base = {"model": {"name": "tiny_random"}}
+    clean, other = "The Eiffel Tower is located in the city of", "Paris, the capital of France"
+    with pytest.raises(ConfigError) as err:
+        prepare({**base, "prompts": {"items": [clean, other]}, "patching": [
+            {"prompts": [1], "source": {"prompt": 0}, "hook": "post_block", "layers": 0, "positions": [2, 3]}]})
+    assert err.value.problems[0][0] == "patching[0].source.prompt" and "cannot be aligned" in err.value.problems[0][1]
+    # different lengths: the shared prefix maps by identity, the shared suffix by the length difference
+    shorter = "The Great Wall is located in the city of"  # 9 tokens; the clean prompt has 10
+    plan = prepare({**base, "prompts": {"items": [shorter, clean]}, "patching": [
+        {"prompts": [1], "source": {"prompt": 0}, "hook": "post_block", "layers": 0, "positions": "all"}]}).plan
+    (skipped,) = plan.skipped
+    assert skipped["positions"] == [1, 2, 3]  # E, iffel, Tower: no counterpart in the source
+    patched = next(r for r in plan.requests if r.role == "patched")
+    assert np.frombuffer(patched.payload["patch"]["pos"], dtype=np.int32).tolist() == [0, 4, 5, 6, 7, 8, 9]
+    sources = [plan.refs[k][2] for k in patched.payload["patch"]["src"]]
+    assert sources == [0, 3, 4, 5, 6, 7, 8]
+
+
+def test_multi_token_answers_need_first_token_scoring():
+    config = {"model": {"name": "tiny_random"},
+              "prompts": {"items": [{"text": "The Eiffel Tower is in", "answer": " Parisian capital"}]}}
+    with pytest.raises(ConfigError) as err:
+        prepare(config)
+    assert err.value.problems[0][0] == "prompts.items[0].answer"
+    plan = prepare({**config, "scoring": {"first_token": True}}).plan
+    assert len(plan.requests[0].prompt.answer_ids) == 1
+
+
+# -- the grid against HF transformers --------------------------------------------------------------------
+
+
+def hf_trace(path, fact_ids, subject, noise, answer, cells):
+    """Log-probabilities of ``answer`` for each cell (kind, layer, token) of one fact, from plain HF forward hooks:
+    noise added to the subject's token embeddings, clean states put back at the restored sites."""
+    model = hf_oracle.load(str(path))
+    ids = torch.tensor([fact_ids])
+    layers = model.model.layers
+    n = len(fact_ids)
+    with torch.no_grad():
+        clean = {}
+        hooks = []
+        for i, layer in enumerate(layers):
+            hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: clean.__setitem__(("resid", i), o.clone())))
+            hooks.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: clean.__setitem__(("mlp", i), o.clone())))
+            hooks.append(layer.self_attn.register_forward_hook(
+                lambda m, a, o, i=i: clean.__setitem__(("attn", i), o[0].clone())))
+        model(ids)
+        for h in hooks:
+            h.remove()
+
+    batch = len(cells) + 1  # the last row: corrupted, nothing restored
+    noise_t = torch.zeros(batch, n, noise.shape[-1])
+    noise_t[:, subject] = torch.as_tensor(noise)
+    restore = {}  # (kind, layer) -> list of (row, token)
+    window = 10
+    for row, (kind, layer, token) in enumerate(cells):
+        targets = [layer] if kind == "resid" else range(max(0, layer - window // 2), min(len(layers), layer + window // 2))
+        for lay in targets:
+            restore.setdefault((kind, lay), []).append((row, token))
+
+    def put_back(kind, i):
+        def hook(module, args, output):
+            out = output[0] if kind == "attn" else output
+            out = out.clone()
+            for row, token in restore.get((kind, i), []):
+                out[row, token] = clean[(kind, i)][0, token]
+            return (out,) + tuple(output[1:]) if kind == "attn" else out
+        return hook
+
+    hooks = [model.model.embed_tokens.register_forward_hook(lambda m, a, o: o + noise_t)]
+    for i, layer in enumerate(layers):
+        hooks += [layer.register_forward_hook(put_back("resid", i)), layer.mlp.register_forward_hook(put_back("mlp", i)),
+                  layer.self_attn.register_forward_hook(put_back("attn", i))]
+    try:
+        with torch.no_grad():
+            logits = model(ids.repeat(batch, 1)).logits[:, -1].double()
+    finally:
+        for h in hooks:
+            h.remove()
+    lp = torch.log_softmax(logits, -1)[:, answer].numpy()
+    return lp[:-1], lp[-1]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_trace_grid_matches_hf_hooks(smollm2_engine, smollm2_path):
+    config = trace_config(noise={"samples": 1, "seed": 1}, layers=LAYERS, plots=False)
+    plan, results = run_plan(smollm2_engine, config)
+    ds = trace_dataset(plan, results)
+    layout = plan.trace
+    assert not ds["filtered"].any() and ds.attrs["voided"] == []
+    for fact in layout.facts:
+        f = fact.index
+        n = len(fact.clean.token_ids)
+        cells = [(k, lay, t) for k in layout.kinds for lay in LAYERS for t in range(n)]
+        want, want_corrupt = hf_trace(smollm2_path, list(fact.clean.token_ids), list(fact.subject_positions),
+                                      ds["noise"].values[f, 0, : len(fact.subject_positions)],
+                                      fact.clean.answer_ids[0], cells)
+        got = np.array([float(ds["restored_logprob_samples"].sel(kind=k, layer=lay).values[f, t, 0])
+                        for k, lay, t in cells])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+        assert float(ds["corrupt_logprob_samples"].values[f, 0]) == pytest.approx(want_corrupt, abs=1e-4)
+        logits, _ = hf_oracle.forward(smollm2_path, list(fact.clean.token_ids))
+        clean = float(torch.softmax(logits[-1].double(), -1)[fact.clean.answer_ids[0]])
+        assert float(ds["clean_prob"][f]) == pytest.approx(clean, abs=1e-4)
+        # corrupting the subject really hurts, and some restore brings the answer back
+        assert float(ds["total_effect"][f]) > 0.2
+        assert float(np.nanmax(ds["indirect_effect"].values[f])) > 0.5 * float(ds["total_effect"][f])
+    # noise floor: the in-batch corrupted runs against the solo ones
+    solo, in_batch = (ds[k].values.astype(np.float64) for k in ("corrupt_logprob_samples", "corrupt_logprob_in_batch"))
+    assert ds.attrs["noise_floor"] == pytest.approx(float(np.abs(np.exp(in_batch) - np.exp(solo)).max()))
+    assert list(ds["role"].values) == list(ROLES)
+    assert np.isfinite(ds["avg_indirect_effect"].sel(role="last token").values).all()
+
+
+@pytest.mark.engine
+def test_facts_the_model_gets_wrong_are_filtered_and_listed(tiny_engine):
+    plan, results = run_plan(tiny_engine, trace_config("tiny_random", window=2, layers=[0], noise={"samples": 1}))
+    ds = trace_dataset(plan, results)
+    assert not ds["clean_correct"].any()  # a random model predicts none of the answers
+    assert ds["filtered"].all() and ds.attrs["filtered_facts"] == list(ds["fact_id"].values)
+    assert not [r for r in plan.requests if r.stage == 1 and r.rid in results]  # their cells never ran
+    assert np.isnan(ds["indirect_effect"].values).all()
+    assert np.isfinite(ds["clean_prob"].values).all() and np.isfinite(ds["corrupt_prob"].values).all()
+
+
+def test_counterfactual_cells_restore_aligned_positions_only(tmp_path):
+    fact = {"id": "eiffel", "subject": "The Eiffel Tower", "prompt": "The Eiffel Tower is located in the city of",
+            "answer": " Paris", "corrupt_prompt": "The Great Wall is located in the city of"}  # 10 vs 9 tokens
+    plan = prepare(trace_config(corruption="counterfactual", layers=[2], kinds=["resid"],
+                                facts=write_facts(tmp_path, [fact]))).plan
+    (f,) = plan.trace.facts
+    assert f.skipped == (1, 2) and f.corrupt_subject == (1, 2) and plan.skipped == ({"fact": 0, "positions": [1, 2]},)
+    cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
+    assert sorted(r.meta["token"] for r in cells) == [0, 3, 4, 5, 6, 7, 8]
+    assert all(r.prompt.text == fact["corrupt_prompt"] for r in cells)
+    # the corrupt run is the counterfactual prompt itself, with no noise; restores read the clean run's positions
+    corrupt = next(r for r in plan.requests if r.rid == "f000-corrupt-s0")
+    assert corrupt.prompt.text == fact["corrupt_prompt"] and corrupt.payload.get("patch") is None
+    last = next(r for r in cells if r.meta["token"] == 8)
+    (src,) = last.payload["patch"]["src"]
+    assert plan.refs[src] == ("f000-clean", site_id(2, "post_block"), 9)
