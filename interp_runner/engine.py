@@ -149,8 +149,44 @@ class VllmEngine:
             )
         return results
 
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
     def close(self) -> None:
         import gc
 
         del self.llm
         gc.collect()
+
+
+class EnginePool:
+    """Keeps one engine across runs in a process (Hydra multirun jobs): reused while the model folder and engine
+    settings are the same, rebuilt when they change or the plan needs sites it lacks (then with the sites of
+    both). A reused engine starts each run with an empty prefix cache, as a fresh one would."""
+
+    def __init__(self, factory=None):
+        self.factory = factory or VllmEngine
+        self.engine = None
+        self.key = None
+        self.builds = 0
+        self.runs = 0
+
+    def get(self, model_path: str, cfg: EngineConfig, spec: EngineSpec):
+        key = (str(model_path), cfg)
+        self.runs += 1
+        if self.engine is not None and self.key == key:
+            if self.engine.supports(spec):
+                if hasattr(self.engine, "reset_prefix_cache"):
+                    self.engine.reset_prefix_cache()
+                return self.engine
+            spec = self.engine.spec.union(spec)
+        self.close()
+        self.engine = self.factory(model_path, cfg, spec)
+        self.key = key
+        self.builds += 1
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
+        self.engine, self.key = None, None

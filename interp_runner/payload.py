@@ -74,6 +74,15 @@ class EngineSpec:
             }
         }
 
+    def union(self, other: EngineSpec) -> EngineSpec:
+        """A spec with the sites of both and the larger bank."""
+        return EngineSpec(
+            tuple(sorted(set(self.steer_sites) | set(other.steer_sites))),
+            tuple(sorted(set(self.capture_sites) | set(other.capture_sites))),
+            tuple(sorted(set(self.patch_sites) | set(other.patch_sites))),
+            max(self.bank_rows, other.bank_rows),
+        )
+
     def covers(self, other: EngineSpec) -> bool:
         return (
             set(other.steer_sites) <= set(self.steer_sites)

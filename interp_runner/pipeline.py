@@ -5,6 +5,7 @@ Takes the resolved config as a plain dict; knows nothing of Hydra.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,8 +118,12 @@ def run(
     overrides: list[str] = (),
     engine_factory=None,
     log: Callable[[str], None] = print,
+    engines=None,
 ) -> Path:
-    """Run the experiment; returns the store path. Raises ConfigError (before anything is written) on bad input."""
+    """Run the experiment; returns the store path. Raises ConfigError (before anything is written) on bad input.
+
+    ``engines`` (an ``EnginePool``) keeps the engine for the next run in this process; without one, the engine
+    is built for this run (with ``engine_factory``, default ``VllmEngine``)."""
     started_at = provenance.now()
     prepared = prepare(config, base=Path.cwd())
     cfg, facts, plan = prepared.cfg, prepared.facts, prepared.plan
@@ -136,13 +141,18 @@ def run(
     manifest = provenance.manifest(config, cfg, facts, plan, list(overrides), started_at)
     open_store(store_path, manifest)
     try:
-        if engine_factory is None:
-            from .engine import VllmEngine
+        if engines is None:
+            from .engine import EnginePool
 
-            engine_factory = VllmEngine
-        log(f"starting engine on {facts.path}")
-        engine = engine_factory(facts.path, cfg.engine, spec)
+            engines = EnginePool(engine_factory)
+        builds, t0 = engines.builds, time.perf_counter()
+        engine = engines.get(facts.path, cfg.engine, spec)
+        reused = engines.builds == builds
+        log(f"engine {'reused' if reused else 'started'} on {facts.path} in {time.perf_counter() - t0:.1f} s "
+            f"({engines.builds} built for {engines.runs} runs in this process)")
+        t0 = time.perf_counter()
         results = execute(engine, plan, log)
+        log(f"ran in {time.perf_counter() - t0:.1f} s")
         ds = results_dataset(plan, results, facts.hidden_size, prepared.tokenizer)
         write_results(store_path, ds)
         figures = []
@@ -158,7 +168,8 @@ def run(
             store_path,
             STATUS_COMPLETE,
             finished_at=provenance.now(),
-            engine={"dtype": engine.dtype, "plugin_status": engine.status},
+            engine={"dtype": engine.dtype, "plugin_status": engine.status, "reused": reused,
+                    "builds_in_process": engines.builds, "runs_in_process": engines.runs},
             figures=figures,
         )
     except BaseException as err:
