@@ -19,7 +19,9 @@ from .config import ConfigError, RunConfig, validate_config
 from .config.schema import resolve_path
 from .models.facts import ModelFacts, UnsupportedModel, embedding_rows
 from .models.materialize import model_path
-from .store import STATUS_COMPLETE, STATUS_FAILED, mark, open_store, results_dataset, write_results
+from .store import (
+    STATUS_COMPLETE, STATUS_FAILED, STATUS_RUNNING, Journal, mark, open_store, results_dataset, write_results,
+)
 from .tokens import TextTokenizer
 
 
@@ -80,11 +82,15 @@ def _ref_values(plan: Plan, keys: set[str], results: dict) -> dict[str, np.ndarr
     return values
 
 
-def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bool = True) -> dict:
+def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bool = True,
+            unit: int | None = None, journal=None) -> dict:
     """Run the plan's stages on ``engine``; results by request id (requests whose condition failed are absent).
 
-    Each stage is one submission, so continuous batching sees all of it; its patch sources stay registered on
-    the workers until the whole stage has finished."""
+    A stage is submitted in units of ``unit`` requests (default: the whole stage in one), so continuous batching
+    sees all of a unit; its patch sources stay registered on the workers until the whole stage has finished.
+    With a ``journal`` (``store.Journal``) each finished unit is recorded, and units it already holds are taken
+    from it instead of being run again; every unit then starts with an empty prefix cache, so a unit computes
+    the same whether or not the ones before it ran in this process."""
     if not engine.supports(plan.engine_spec):
         from .engine import EngineError
 
@@ -100,12 +106,42 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
         sources = {k: plan.sources[k] for k in keys if k in plan.sources}
         sources.update(_ref_values(plan, keys & plan.refs.keys(), results))
         engine.register_sources(sources)
+        size = unit or max(len(requests), 1)
+        units = [requests[i : i + size] for i in range(0, len(requests), size)]
         try:
-            log(f"stage {stage}: {len(requests)} requests")
-            results.update(engine.run(requests, plan.vectors if stage == 0 else None, use_tqdm=use_tqdm))
+            log(f"stage {stage}: {len(requests)} requests" + (f" in {len(units)} units" if len(units) > 1 else ""))
+            for k, part in enumerate(units):
+                done = journal.load(stage, k) if journal is not None else None
+                if done is not None and set(done) == {r.rid for r in part}:
+                    log(f"stage {stage} unit {k}: taken from the journal")
+                    results.update(done)
+                    continue
+                if journal is not None and hasattr(engine, "reset_prefix_cache"):
+                    engine.reset_prefix_cache()
+                out = engine.run(part, plan.vectors if stage == 0 else None, use_tqdm=use_tqdm)
+                if journal is not None:
+                    journal.record(stage, k, out)
+                results.update(out)
         finally:
             engine.release_sources(list(sources))
     return results
+
+
+def check_resumable(store_path: Path, manifest: dict) -> None:
+    """Only an unfinished store written by the same run (config, model, requests) is resumed."""
+    import zarr
+
+    if not store_path.exists():
+        raise ConfigError.at("resume", f"no store to resume at {store_path} (set store.path to it)")
+    attrs = dict(zarr.open_group(str(store_path), mode="r").attrs)
+    for key in ("run_key", "requests_sha256"):
+        if attrs.get(key) != manifest[key]:
+            raise ConfigError.at("resume", f"{store_path} was written by a different run ({key} "
+                                           f"{attrs.get(key)} != {manifest[key]}): it is never resumed into")
+    if attrs.get("model", {}).get("weights_sha256") != manifest["model"]["weights_sha256"]:
+        raise ConfigError.at("resume", f"{store_path} was written with other model weights")
+    if attrs.get("status") == STATUS_COMPLETE:
+        raise ConfigError.at("resume", f"{store_path} is already complete")
 
 
 def default_store_path(run_dir: Path) -> Path:
@@ -139,7 +175,15 @@ def run(
 
     store_path = Path(cfg.store.path).expanduser() if cfg.store.path else default_store_path(run_dir)
     manifest = provenance.manifest(config, cfg, facts, plan, list(overrides), started_at)
-    open_store(store_path, manifest)
+    if cfg.resume:
+        check_resumable(store_path, manifest)
+        mark(store_path, STATUS_RUNNING, resumed_at=started_at)
+    else:
+        open_store(store_path, manifest)
+    journal = Journal(store_path)
+    finished = journal.open(cfg.resume)
+    if cfg.resume:
+        log(f"resuming {store_path}: {finished} unit(s) already done")
     try:
         if engines is None:
             from .engine import EnginePool
@@ -151,7 +195,7 @@ def run(
         log(f"engine {'reused' if reused else 'started'} on {facts.path} in {time.perf_counter() - t0:.1f} s "
             f"({engines.builds} built for {engines.runs} runs in this process)")
         t0 = time.perf_counter()
-        results = execute(engine, plan, log)
+        results = execute(engine, plan, log, unit=cfg.store.unit_requests, journal=journal)
         log(f"ran in {time.perf_counter() - t0:.1f} s")
         ds = results_dataset(plan, results, facts.hidden_size, prepared.tokenizer)
         write_results(store_path, ds)
@@ -172,6 +216,7 @@ def run(
                     "builds_in_process": engines.builds, "runs_in_process": engines.runs},
             figures=figures,
         )
+        journal.remove()
     except BaseException as err:
         mark(store_path, STATUS_FAILED, finished_at=provenance.now(), error="".join(
             traceback.format_exception_only(type(err), err)).strip())

@@ -1,6 +1,7 @@
 """The run manifest stored in the store's root attributes.
 
-Keys: ``config_yaml`` and ``config_sha256`` (the resolved config), ``command`` and ``overrides``,
+Keys: ``config_yaml`` and ``config_sha256`` (the resolved config), ``run_key`` (its hash without the run-control
+keys ``resume`` and ``dry_run``: what a resumed run must match), ``command`` and ``overrides``,
 ``experiment`` (name, version), ``package`` (version, git sha and dirty flag of the package's own checkout),
 ``versions`` (python, vllm, torch, triton, transformers, zarr, xarray, numpy), ``model`` (path, architecture,
 weights sha256, dtype, layers, hidden size), ``seeds``, ``requests_sha256``, ``plugin`` (fingerprint and
@@ -85,7 +86,9 @@ def manifest(
     config: dict, cfg: RunConfig, facts: ModelFacts, plan: Plan, overrides: list[str], started_at: str
 ) -> dict:
     text = config_yaml(config)
+    run_config = {k: v for k, v in config.items() if k not in ("resume", "dry_run")}
     return {
+        "run_key": hashlib.sha256(config_yaml(run_config).encode()).hexdigest(),
         "schema": "interp-runner/1",
         "config_yaml": text,
         "config_sha256": hashlib.sha256(text.encode()).hexdigest(),

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.engine
 
 MANIFEST_KEYS = {
     "config_yaml", "config_sha256", "command", "overrides", "experiment", "package", "versions", "model",
-    "seeds", "requests_sha256", "plugin", "host", "started_at", "finished_at", "status", "engine",
+    "seeds", "requests_sha256", "plugin", "host", "started_at", "finished_at", "status", "engine", "run_key",
 }
 
 

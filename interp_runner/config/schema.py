@@ -243,6 +243,7 @@ class ModelConfig(Strict):
 
 class StoreConfig(Strict):
     path: str | None = None  # default: <run dir>/results.zarr
+    unit_requests: int = Field(1024, ge=1)  # requests per unit of work, journaled as it finishes (resume)
 
 
 class ExperimentMeta(Strict):
@@ -265,6 +266,7 @@ class RunConfig(Strict):
     causal_trace: CausalTrace | None = None
     store: StoreConfig = StoreConfig()
     dry_run: bool = False
+    resume: bool = False  # continue the unfinished store at store.path: run only the units it lacks
 
     @model_validator(mode="after")
     def _trace_runs_alone(self) -> RunConfig:
