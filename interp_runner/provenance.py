@@ -2,7 +2,8 @@
 
 Keys: ``config_yaml`` and ``config_sha256`` (the resolved config), ``command`` and ``overrides``,
 ``experiment`` (name, version), ``experiments_dir`` (the package's ``experiments/`` folder, which
-``${experiments_dir:}`` in a config resolves to: a rerun elsewhere maps it to its own), ``package`` (version, git sha and dirty flag of the package's own checkout),
+``${experiments_dir:}`` in a config resolves to: a rerun elsewhere maps it to its own), ``package`` (version,
+git sha and dirty flag of the package's own checkout),
 ``versions`` (python, vllm, torch, triton, transformers, zarr, xarray, numpy), ``model`` (path, architecture,
 weights sha256, dtype, layers, hidden size), ``seeds``, ``requests_sha256``, ``plugin`` (fingerprint and
 sites), ``host`` (hostname, platform, CPU, GPU), ``started_at`` / ``finished_at`` (UTC, ISO 8601).

@@ -28,6 +28,7 @@ import math
 import shutil
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -496,13 +497,14 @@ def rerun(store: Store, out: Path, log: Callable[[str], None] = print) -> Path:
     if new_store == store.path.resolve() or store.path.resolve() in new_store.parents:
         raise VerifyError(f"--out {out} would overwrite {store.path}")
     config = rerun_config(store, new_store, log)
-    overrides = list(store.attrs.get("overrides") or [])
+    overrides = [*(store.attrs.get("overrides") or []), f"store.path={new_store}"]  # as the rerun really ran
     log(f"rerunning {store.path} ({(store.attrs.get('experiment') or {}).get('name')}) into {new_store}")
     try:
         path = run(config, out, overrides=overrides, log=log)
     except ConfigError as err:
         raise VerifyError(f"{store.path}: its config is refused:\n  {err}".replace("\n", "\n  ")) from None
     except Exception as err:  # the run itself failed: nothing to compare
+        traceback.print_exc()
         raise VerifyError(f"rerun failed: {type(err).__name__}: {err}") from err
     return path
 
@@ -517,11 +519,11 @@ def parser() -> argparse.ArgumentParser:
                     "experiment from its own provenance and compare (--rerun). Exit 0: results match; 1: they "
                     "differ; 2: no comparison possible.",
     )
-    ap.add_argument("store", type=Path, help="a finished store (results.zarr)")
+    ap.add_argument("store", type=Path, metavar="STORE", help="a finished store (results.zarr)")
     how = ap.add_mutually_exclusive_group(required=True)
     how.add_argument("--against", type=Path, metavar="GOLDEN", help="the reference store to compare STORE with")
     how.add_argument("--rerun", action="store_true", help="rerun STORE's config and compare the new store with it")
-    ap.add_argument("--out", type=Path, help="with --rerun: folder for the new store (kept); default a temporary "
+    ap.add_argument("--out", type=Path, metavar="DIR", help="with --rerun: folder for the new store (kept); default a temporary "
                     "folder, removed when the results match")
     ap.add_argument("--exact", action="store_true", help="compare every value exactly, whatever the devices")
     return ap

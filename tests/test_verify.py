@@ -159,6 +159,21 @@ def test_provenance_differences_are_shown_but_do_not_fail(store, tmp_path, capsy
     assert "OK: all 23 arrays match" in out
 
 
+def test_rerun_reads_experiment_data_from_this_checkout(tmp_path):
+    """A store made in another checkout (a golden store in CI) reruns with this checkout's experiments/ folder."""
+    from interp_runner.provenance import EXPERIMENTS_DIR
+
+    elsewhere = copy(REPO / "experiments" / "golden" / "causal_trace.zarr", tmp_path)
+    attrs = dict(zarr.open_group(str(elsewhere), mode="r").attrs)
+    set_attrs(elsewhere, experiments_dir="/elsewhere/experiments",
+              config_yaml=attrs["config_yaml"].replace(attrs["experiments_dir"], "/elsewhere/experiments"))
+    logged = []
+    config = verify.rerun_config(verify.open_store(elsewhere), tmp_path / "new.zarr", logged.append)
+    assert config["causal_trace"]["facts"] == str(EXPERIMENTS_DIR / "causal_trace" / "facts.jsonl")
+    assert config["store"]["path"] == str(tmp_path / "new.zarr")
+    assert logged == [f"paths under /elsewhere/experiments read from {EXPERIMENTS_DIR}"]
+
+
 def test_usage_errors_exit_2(tmp_path, capsys):
     assert main([]) == EXIT_ERROR
     assert main([str(tmp_path / "x.zarr")]) == EXIT_ERROR  # neither --against nor --rerun
