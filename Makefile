@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup run test test-fast lock gpu-check bench clean
+.PHONY: setup run test test-fast golden verify lock gpu-check bench clean
 
 setup:            ## venv + locked packages + built-in models
 	bash scripts/setup.sh
@@ -17,6 +17,13 @@ test:             ## the whole CPU test suite
 
 test-fast:        ## unit tests only (no engine)
 	$(PY) -m pytest -q -m "not engine"
+
+golden:           ## regenerate the golden stores experiments/golden/*.zarr (tiny_random)
+	bash scripts/make_golden.sh
+
+verify:           ## rerun every golden store from its provenance and compare (exact on CPU)
+	@set -e; for store in experiments/golden/*.zarr; do \
+	  echo "== $$store"; $(PY) -m interp_runner.verify "$$store" --rerun; done
 
 lock:             ## re-resolve requirements/*.lock from requirements/*.in
 	python3 -m uv pip compile --python-version 3.11 requirements/cpu.in -o requirements/cpu.lock

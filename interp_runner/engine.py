@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .compiler import EngineRequest
+from .config import ConfigError
 from .config.schema import EngineConfig
 from .payload import EngineSpec, plugin_fingerprint
 from .plugin import ENABLE_ENV
 
 WORKER_EXTENSION = "interp_runner.plugin.runtime.InterpWorkerExtension"
 CPU_KV_CACHE_BYTES = 1 << 30
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+_batch_invariant_in_process: bool | None = None  # as set for the first engine of this process
 
 
 class EngineError(RuntimeError):
@@ -41,6 +44,28 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def set_batch_invariant(enabled: bool) -> None:
+    """Set vLLM's batch-invariant mode for this process (the config decides, not the caller's environment).
+
+    vLLM reads ``VLLM_BATCH_INVARIANT`` at import and engine start and then caches it, and the mode patches torch
+    ops process-wide: it cannot change between the engines of one process. Its kernels are Triton kernels: vLLM's
+    CPU build installs them all the same and fails in the first forward, so a CPU engine refuses the option."""
+    global _batch_invariant_in_process
+    if enabled and not on_gpu():
+        raise ConfigError.at(
+            "engine.batch_invariant",
+            "vLLM's batch-invariant mode needs a GPU (its kernels are Triton kernels) and this machine has none; "
+            "CPU runs of a config reproduce bit for bit without it",
+        )
+    if _batch_invariant_in_process is not None and _batch_invariant_in_process != enabled:
+        raise EngineError(
+            f"engine.batch_invariant={str(enabled).lower()}, but this process already started an engine with "
+            f"{str(_batch_invariant_in_process).lower()}: vLLM cannot switch the mode within a process"
+        )
+    os.environ[BATCH_INVARIANT_ENV] = "1" if enabled else "0"
+    _batch_invariant_in_process = enabled
+
+
 class VllmEngine:
     """One vLLM engine with interp ops at the sites of ``spec``. Reusable for any plan whose sites it has."""
 
@@ -51,6 +76,7 @@ class VllmEngine:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if cfg.tensor_parallel_size == 1:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        set_batch_invariant(cfg.batch_invariant)
         from vllm import LLM
 
         kwargs = dict(

@@ -2,7 +2,9 @@
 
 Keys: ``config_yaml`` and ``config_sha256`` (the resolved config), ``run_key`` (its hash without the run-control
 keys ``resume`` and ``dry_run``: what a resumed run must match), ``command`` and ``overrides``,
-``experiment`` (name, version), ``package`` (version, git sha and dirty flag of the package's own checkout),
+``experiment`` (name, version), ``experiments_dir`` (the package's ``experiments/`` folder, which
+``${experiments_dir:}`` in a config resolves to: a rerun elsewhere maps it to its own), ``package`` (version,
+git sha and dirty flag of the package's own checkout),
 ``versions`` (python, vllm, torch, triton, transformers, zarr, xarray, numpy), ``model`` (path, architecture,
 weights sha256, dtype, layers, hidden size), ``seeds``, ``requests_sha256``, ``plugin`` (fingerprint and
 sites), ``host`` (hostname, platform, CPU, GPU), ``started_at`` / ``finished_at`` (UTC, ISO 8601).
@@ -26,6 +28,7 @@ from .config.schema import RunConfig
 from .models.facts import ModelFacts
 from .payload import plugin_fingerprint
 
+EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 PACKAGES = ("torch", "triton", "transformers", "zarr", "xarray", "numpy", "pydantic", "hydra-core")
 
 
@@ -95,6 +98,7 @@ def manifest(
         "command": sys.argv,
         "overrides": list(overrides),
         "experiment": {"name": cfg.experiment.name, "version": cfg.experiment.version},
+        "experiments_dir": str(EXPERIMENTS_DIR),
         "package": {"name": "interp-runner", "version": importlib.metadata.version("interp-runner"), **git_state()},
         "versions": versions(),
         "model": {

@@ -35,7 +35,7 @@ TOP_K = 3
 # every key the manifest documents (interp_runner/provenance.py and README "The store")
 MANIFEST_KEYS = {
     "config_yaml", "config_sha256", "command", "overrides", "experiment", "package", "versions", "model",
-    "seeds", "requests_sha256", "plugin", "host", "started_at", "run_key",
+    "seeds", "requests_sha256", "plugin", "host", "started_at", "run_key", "experiments_dir",
 }
 
 

@@ -234,6 +234,9 @@ class EngineConfig(Strict):
     enable_prefix_caching: bool = True
     patch_bank_rows: int | None = Field(None, ge=1)  # default: what the plan needs
     seed: int = 0
+    # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): a request's numbers no longer depend on what it
+    # was batched with, so GPU reruns reproduce bit for bit (slower; GPU only)
+    batch_invariant: bool = False
 
 
 class ModelConfig(Strict):
