@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import hf_oracle
 from conftest import ALL_HOOKS, base_config, engine_at_every_site, rel_err, run_config

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .architectures import DECODER_LAYERS
 
 
@@ -55,9 +57,8 @@ def weights_sha256(folder: Path) -> str:
     return h.hexdigest()
 
 
-def embedding_rows(folder: Path, token_ids) -> "np.ndarray":
+def embedding_rows(folder: Path, token_ids) -> np.ndarray:
     """Rows of the input embedding matrix (float32), read straight from the safetensors files."""
-    import numpy as np
     from safetensors import safe_open
 
     ids = np.asarray(token_ids, dtype=np.int64)
