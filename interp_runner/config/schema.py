@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator,
+)
 
 Hook = Literal["pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"]
 # a layer selector: 3, [1, 5], "all", "2:6" (half-open range)
@@ -18,6 +20,12 @@ LayerSelector = Union[StrictInt, IndexList, str]
 # a prompt selector: 0, [0, 2], "all"
 PromptSelector = Union[StrictInt, IndexList, Literal["all"]]
 VECTOR_SUFFIXES = (".npy", ".safetensors", ".pt", ".pth")
+
+
+def _distinct(values: list, info: ValidationInfo) -> list:
+    if len(values) != len(set(values)):
+        raise ValueError(f"{info.field_name} repeat: {values}")
+    return values
 
 
 class Strict(BaseModel):
@@ -110,14 +118,7 @@ CapturePositions = Union[Literal["last_prompt", "all_prompt", "all_generated", "
 
 class CaptureSpec(Strict):
     name: Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")] = "acts"
-    hooks: list[Hook] = Field(min_length=1)
-
-    @field_validator("hooks")
-    @classmethod
-    def _distinct_hooks(cls, hooks: list[str]) -> list[str]:
-        if len(hooks) != len(set(hooks)):
-            raise ValueError(f"hooks repeat: {hooks}")
-        return hooks
+    hooks: Annotated[list[Hook], Field(min_length=1), AfterValidator(_distinct)]
     layers: LayerSelector = "all"
     positions: CapturePositions = "last_prompt"
     prompts: PromptSelector = "all"
@@ -199,19 +200,13 @@ class CausalTrace(Strict):
     num_facts: int | None = Field(None, ge=1)  # the first N facts
     corruption: Literal["noise", "counterfactual"] = "noise"
     noise: Noise = Noise()
-    kinds: list[Literal["resid", "mlp", "attn"]] = Field(["resid", "mlp", "attn"], min_length=1)
+    kinds: Annotated[list[Literal["resid", "mlp", "attn"]], Field(min_length=1), AfterValidator(_distinct)] = [
+        "resid", "mlp", "attn"]
     resid_hook: Literal["pre_attn", "post_attn", "post_block"] = "post_block"
     window: int = Field(10, ge=1)
     layers: LayerSelector = "all"  # restored layers (window centres for mlp/attn)
     filter: bool = True  # drop facts whose clean prediction is not the answer (ROME), listing them
     plots: bool = True
-
-    @field_validator("kinds")
-    @classmethod
-    def _distinct_kinds(cls, kinds: list[str]) -> list[str]:
-        if len(kinds) != len(set(kinds)):
-            raise ValueError(f"kinds repeat: {kinds}")
-        return kinds
 
 
 class Sampling(Strict):
