@@ -6,12 +6,15 @@
 #   bash bench/gpu_check.sh                      # every stage: setup tests bench-small bench-8b
 #   bash bench/gpu_check.sh setup tests          # some stages, in the order given
 #
-# Stages: setup (install + models + versions), tests (pytest -m gpu tests/test_gpu.py), bench-small (SmolLM2),
-# bench-8b (random-weight 8B-shaped Llama), bench-v2 (SmolLM2 on stock vLLM with its default model runner, V2),
-# bench-trace (causal-tracing grids against hand-batched HF hooks: bench/trace_grid.py).
+# Stages: setup (install + models + versions), tests (pytest -m gpu: tests/test_gpu.py, tests/test_kernels.py),
+# kernels (bench/kernels.py: bandwidth of each kernel against a device copy), bench-small (SmolLM2: steering and
+# capture overhead), bench-8b (random-weight 8B-shaped Llama), bench-v2 (SmolLM2 on stock vLLM with its default
+# model runner, V2), bench-trace (causal-tracing grids against hand-batched HF hooks: bench/trace_grid.py),
+# bench-store (bench/store_bandwidth.py: a large capture written to zarr against dd on the same filesystem).
 # GPU_CHECK_BUDGET_S (default 540) bounds the whole run: each stage gets what is left, and a stage is skipped
 # when under 30 s are left. Under a 10-minute limit per command, split the stages over calls, e.g.
-# `setup tests bench-small`, then `setup bench-8b`, then `setup bench-trace`.
+# `setup tests kernels bench-trace`, then `setup bench-small bench-store bench-8b`. Environment knobs:
+# BENCH_ENGINES, BENCH_CONDITIONS, BENCH_8B_CONDITIONS, BENCH_REPEATS, TRACE_REPEATS, STORE_DIR.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -45,10 +48,15 @@ main() {
     case $stage in
       setup) stage_setup || rc=$? ;;
       tests) stage_tests $(( budget < ${TESTS_MAX_S:-360} ? budget : ${TESTS_MAX_S:-360} )) || rc=$? ;;
-      bench-small) stage_bench "$budget" smollm2_135m interp,stock || rc=$? ;;
-      bench-8b) stage_bench "$budget" llama8b-random interp,stock || rc=$? ;;
+      bench-small) stage_bench "$budget" smollm2_135m "${BENCH_ENGINES:-interp,stock}" || rc=$? ;;
+      bench-8b) BENCH_CONDITIONS=${BENCH_8B_CONDITIONS:-idle,steered} \
+        stage_bench "$budget" llama8b-random "${BENCH_ENGINES:-interp,stock}" || rc=$? ;;
       bench-v2) stage_bench "$budget" smollm2_135m stock-default _v2 || rc=$? ;;
-      bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --json "$OUT/trace_grid.json" || rc=$? ;;
+      kernels) timeout -k 10 $(( budget - 5 )) $PY bench/kernels.py --json "$OUT/kernels.json" || rc=$? ;;
+      bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --repeats "${TRACE_REPEATS:-5}" \
+        --json "$OUT/trace_grid.json" || rc=$? ;;
+      bench-store) timeout -k 10 $(( budget - 5 )) $PY bench/store_bandwidth.py --dir "${STORE_DIR:-/tmp/interp-store-bench}" \
+        --json "$OUT/store_bandwidth.json" || rc=$? ;;
       *) echo "unknown stage $stage"; rc=2 ;;
     esac
     RC[$stage]=$rc; SECS[$stage]=$(( SECONDS - t0 ))
@@ -105,7 +113,8 @@ stage_tests() {
   local budget=$1
   rm -f "$OUT/gpu_test_report.txt"
   INTERP_GPU_REPORT="$OUT/gpu_test_report.txt" timeout -k 10 $(( budget - 5 )) \
-    $PY -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log"
+    $PY -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_kernels.py tests/test_gpu.py 2>&1 \
+    | tee "$OUT/pytest.log"
   local rc=${PIPESTATUS[0]}
   [ -f "$OUT/gpu_test_report.txt" ] && cat "$OUT/gpu_test_report.txt"
   return "$rc"
@@ -116,6 +125,7 @@ stage_bench() {
   local name=${model%%_*}
   [ "$model" = llama8b-random ] && name=llama8b
   timeout -k 10 $(( budget - 5 )) $PY bench/steer_overhead.py --model "$model" --engines "$engines" \
+    --conditions "${BENCH_CONDITIONS:-idle,steered,capture}" --repeats "${BENCH_REPEATS:-7}" \
     --worker-timeout $(( budget - 20 )) --json "$OUT/bench_${name}${suffix}.json"
 }
 

@@ -1,17 +1,26 @@
-"""Steering overhead: end-to-end generation time of one interp engine with the plugin idle vs every request
-steered, next to a stock engine without any interp spec.
+"""Steering and capture overhead: end-to-end generation time of one interp engine with the plugin idle vs every
+request steered vs every request captured, next to a stock engine without any interp spec.
 
 Rows (each engine in its own process, built once, warmed up, then timed):
 
-- ``interp``: a VllmEngine built with steering ops at every layer of one hook. Two conditions on that same
-  engine, interleaved (ABBA): ``idle`` (requests carry no interventions) and ``steered`` (every request
-  steered at every layer of the hook; ``--vectors`` distinct vectors spread over the batch).
+- ``interp``: a VllmEngine built with steering ops at every layer of one hook (and, with the ``capture``
+  condition, capture at those same sites). The ``--conditions`` run on that same engine, interleaved (ABBA,
+  ABCCBA, ...): ``idle`` (requests carry no interventions), ``steered`` (every request steered at every layer
+  of the hook; ``--vectors`` distinct vectors spread over the batch) and ``capture`` (every request captures
+  its last prompt position at every layer of the hook). The requests of each condition are compiled from a
+  config by ``interp_runner.pipeline.prepare``, as a run compiles them, and the engine is built with the union
+  of their engine specs. After every timed ``capture`` run the captured rows are counted: each request must
+  bring back one row per layer (its last prompt position, ``hidden`` finite values), or the run fails.
 - ``stock``: plain vLLM, same settings and requests, no interp spec (the plugin is registered but the engine
   is not instrumented), on the V1 model runner the interp engine uses.
 - ``stock-default`` (optional): plain vLLM with the plugin disabled and vLLM's default model runner.
 
 Every request decodes exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, no detokenization; the time is
-the wall time of ``LLM.generate`` over the whole batch. Prints a table last; ``--json`` keeps everything.
+the wall time of ``LLM.generate`` over the whole batch, on the interp engine followed by the ``interp_collect``
+call that takes the requests' results off the workers (as ``VllmEngine.run`` does; for ``idle`` and ``steered``
+it returns nothing). Goals, in the table: ``steered`` at most +3% time vs ``idle``, ``idle`` at most +1% vs
+``stock``, ``capture`` at most 3% less throughput than ``idle``. Prints a table last; ``--json`` keeps
+everything.
 
     python bench/steer_overhead.py --model smollm2_135m
     python bench/steer_overhead.py --model llama8b-random          # random-weight 8B-shaped Llama
@@ -32,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -42,6 +53,13 @@ TOPICS = ["a lighthouse keeper", "the history of bread", "a journey to Mars", "a
           "a chess tournament", "a city in the rain", "the first computer", "a mountain village", "a lost dog",
           "the northern lights", "a jazz musician", "a garden in winter", "a train at night", "a desert festival",
           "a library of maps"]
+CONDITIONS = ("idle", "steered", "capture")
+# condition -> (the condition it is compared with, largest allowed change of the median time; a negative limit:
+# smallest allowed change of the throughput)
+# condition -> (reference condition, limit): end-to-end time at most +limit, or (negative) throughput at least
+# limit; steering is held to +1% on the GPU-bound 8B shape, +3% on small host-bound models
+GOALS = {"steered": ("idle", 0.03), "capture": ("idle", -0.03)}
+GOALS_8B = {**GOALS, "steered": ("idle", 0.01)}
 
 
 # -- models -------------------------------------------------------------------------------------------
@@ -121,8 +139,9 @@ def resolve_model(args) -> tuple[Path, bool]:
 # -- requests -----------------------------------------------------------------------------------------
 
 
-def plans(args, folder: Path):
-    """(idle plan, steered plan): the same prompts and sampling; the steered one steers every request."""
+def plans(args, folder: Path) -> dict:
+    """Plans by condition, compiled from configs: the same prompts and sampling; ``steered`` steers every
+    request, ``capture`` captures every request's last prompt position at every layer of ``--hook``."""
     from interp_runner.pipeline import prepare
 
     prompts = [f"Request {i}. Write a long and detailed story about {TOPICS[i % len(TOPICS)]}, "
@@ -138,12 +157,26 @@ def plans(args, folder: Path):
          "base": {args.hook: {"layer": "all", "vector": {"random": {"seed": k, "norm": args.norm}}}}}
         for k in range(min(args.vectors, args.batch))
     ]}
-    idle = prepare(base).plan
-    steered = prepare({**base, "steering": steering}).plan
-    for plan in (idle, steered):
+    capture = [{"name": "acts", "hooks": [args.hook], "layers": "all", "positions": "last_prompt"}]
+    out = {
+        "idle": prepare(base).plan,
+        "steered": prepare({**base, "steering": steering}).plan,
+        "capture": prepare({**base, "capture": capture}).plan,
+    }
+    for plan in out.values():
         for request in plan.requests:
             request.sampling.update(ignore_eos=True, detokenize=False)
-    return idle, steered
+    return out
+
+
+def engine_spec(plans_by_condition: dict, conditions: list[str], steer_sites: list[int]):
+    """Steering ops at every layer of the hook (always), plus the sites the chosen conditions need."""
+    from interp_runner.payload import EngineSpec
+
+    spec = EngineSpec(tuple(steer_sites), ())
+    for name in conditions:
+        spec = spec.union(plans_by_condition[name].engine_spec)
+    return spec
 
 
 # -- one engine (worker process) ----------------------------------------------------------------------
@@ -166,7 +199,7 @@ def use_dummy_loader() -> None:
     vllm.LLM = dummy_llm
 
 
-def build(kind: str, args, folder: Path, dummy: bool, steer_sites):
+def build(kind: str, args, folder: Path, dummy: bool, spec):
     """(LLM, VllmEngine or None)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if kind == "stock":
@@ -180,9 +213,8 @@ def build(kind: str, args, folder: Path, dummy: bool, steer_sites):
     if kind == "interp":
         from interp_runner.config.schema import EngineConfig
         from interp_runner.engine import VllmEngine
-        from interp_runner.payload import EngineSpec
 
-        engine = VllmEngine(str(folder), EngineConfig(**engine_settings(args)), EngineSpec(tuple(steer_sites), ()))
+        engine = VllmEngine(str(folder), EngineConfig(**engine_settings(args)), spec)
         return engine.llm, engine
     import vllm
 
@@ -193,16 +225,53 @@ def build(kind: str, args, folder: Path, dummy: bool, steer_sites):
     return llm, None
 
 
-def generate(llm, plan):
+def generate(llm, plan, interp: bool = False):
+    """(seconds, token ids per request, worker results by request id). ``interp``: the timed call also takes
+    the requests' results (captures) off the workers, as ``VllmEngine.run`` does; the worker keeps a request's
+    captures until they are collected."""
     prompts = [r.engine_prompt() for r in plan.requests]
     params = [r.sampling_params() for r in plan.requests]
+    collected = {}
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    if interp:
+        for per_rank in llm.collective_rpc("interp_collect", args=([r.rid for r in plan.requests],)):
+            collected.update(per_rank)
     dt = time.perf_counter() - t0
-    return dt, [list(o.outputs[0].token_ids) for o in outputs]
+    return dt, [list(o.outputs[0].token_ids) for o in outputs], collected
 
 
-def planner_profile(llm, plan) -> dict:
+def check_captures(plan, collected: dict, hidden: int) -> dict:
+    """Captured rows of each request of ``plan``, against what it asked for: one row per captured site at each
+    captured position, ``hidden`` finite values each. Requests that capture nothing must bring back nothing."""
+    from interp_runner.payload import unpack_positions
+
+    rows, bad = [], []
+    for request in plan.requests:
+        captures = collected.get(request.rid, {}).get("captures", {})
+        wanted = {}
+        for sites, positions, _ in (request.payload or {}).get("capture", ()):
+            for site in sites:
+                wanted[site] = sorted(set(wanted.get(site, [])) | set(unpack_positions(positions).tolist()))
+        count, problems = 0, []
+        for site in sorted(set(wanted) | set(captures)):
+            positions, values = captures.get(site, (np.zeros(0, np.int32), np.zeros((0, hidden), np.float32)))
+            count += len(positions)
+            if sorted(np.asarray(positions).tolist()) != wanted.get(site, []):
+                problems.append(f"site {site}: positions {np.asarray(positions).tolist()}, "
+                                f"wanted {wanted.get(site, [])}")
+            elif np.shape(values) != (len(positions), hidden) or not np.isfinite(values).all():
+                problems.append(f"site {site}: values of shape {np.shape(values)}, not all finite")
+        rows.append(count)
+        if problems:
+            bad.append({"request": request.rid, "problems": problems[:4]})
+    expected = [sum(len(unpack_positions(p)) * len(s) for s, p, _ in (r.payload or {}).get("capture", ()))
+                for r in plan.requests]
+    return {"requests": len(rows), "rows": sum(rows), "rows_per_request": [min(rows), max(rows)],
+            "expected_rows_per_request": [min(expected), max(expected)], "bad": bad[:8], "ok": not bad}
+
+
+def planner_profile(llm, plan, interp: bool = True) -> dict:
     """Host time of the per-step planner (untimed extra run)."""
     from interp_runner.plugin.runtime import InterpState
 
@@ -218,7 +287,7 @@ def planner_profile(llm, plan) -> dict:
 
     InterpState.before_forward = timed
     try:
-        generate(llm, plan)
+        generate(llm, plan, interp)
     finally:
         InterpState.before_forward = original
     return {"steps": len(spent), "mean_us": 1e6 * statistics.fmean(spent) if spent else None,
@@ -228,16 +297,17 @@ def planner_profile(llm, plan) -> dict:
 def worker(args) -> dict:
     import torch
 
+    from interp_runner.models.facts import ModelFacts
     from interp_runner.sites import site_id
 
     folder, dummy = Path(args.model_dir), args.dummy
-    from interp_runner.models.facts import ModelFacts
-
     facts = ModelFacts.from_folder(folder)
     steer_sites = [site_id(layer, args.hook) for layer in range(facts.num_layers)]
-    idle, steered = plans(args, folder)
+    chosen = parse_conditions(args.conditions)
+    compiled = plans(args, folder)
+    spec = engine_spec(compiled, chosen, steer_sites)
     t0 = time.perf_counter()
-    llm, engine = build(args.worker, args, folder, dummy, steer_sites)
+    llm, engine = build(args.worker, args, folder, dummy, spec)
     startup = time.perf_counter() - t0
     vc = llm.llm_engine.vllm_config
     info = {
@@ -251,32 +321,70 @@ def worker(args) -> dict:
         "async_scheduling": bool(getattr(vc.scheduler_config, "async_scheduling", False)),
         "dummy_weights": dummy,
     }
-    if engine is not None:
-        conditions = {"idle": idle, "steered": steered}
-        engine.run(steered.requests, steered.vectors, use_tqdm=False)  # registers the vectors; warm-up
+    interp = engine is not None
+    if interp:
+        info["engine_spec"] = {"steer_sites": len(spec.steer_sites), "capture_sites": len(spec.capture_sites),
+                               "patch_sites": len(spec.patch_sites)}
+        conditions = {name: compiled[name] for name in chosen}
+        engine.run(compiled["steered"].requests, compiled["steered"].vectors, use_tqdm=False)  # vectors; warm-up
     else:
-        conditions = {args.worker: idle}
-    outputs = {}
-    for name, plan in conditions.items():
+        conditions = {args.worker: compiled["idle"]}
+    outputs, checks = {}, {}
+
+    def timed_run(name):
+        dt, tokens, collected = generate(llm, conditions[name], interp)
+        if any(len(t) != args.max_tokens for t in tokens):
+            raise RuntimeError(f"{name}: not every request decoded {args.max_tokens} tokens")
+        if interp:
+            check = check_captures(conditions[name], collected, facts.hidden_size)
+            if not check["ok"]:
+                raise RuntimeError(f"{name}: captures are not what the requests asked for: {check}")
+            checks.setdefault(name, []).append(check["rows"])
+            checks[f"{name}:last"] = check
+        return dt, tokens
+
+    for name in conditions:
         for _ in range(args.warmup):
-            _, outputs[name] = generate(llm, plan)
+            _, outputs[name] = timed_run(name)
     times = {name: [] for name in conditions}
     names = list(conditions)
     for r in range(args.repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            dt, tokens = generate(llm, conditions[name])
-            if any(len(t) != args.max_tokens for t in tokens):
-                raise RuntimeError(f"{name}: not every request decoded {args.max_tokens} tokens")
+            dt, tokens = timed_run(name)
+            outputs[name] = tokens
             times[name].append(dt)
     info["times_s"] = times
     info["median_s"] = {name: statistics.median(t) for name, t in times.items()}
-    if engine is not None:
-        changed = sum(a != b for a, b in zip(outputs["idle"], outputs["steered"]))
-        info["steered_requests_changed"] = f"{changed}/{len(outputs['idle'])}"
-        if changed == 0:
-            info["warning"] = "steering changed no request's tokens"
-        info["planner"] = {"idle": planner_profile(llm, idle), "steered": planner_profile(llm, steered)}
+    if interp:
+        if "capture" in conditions:
+            last = checks["capture:last"]
+            info["capture_check"] = {
+                "runs_checked": len(checks["capture"]),
+                "rows_per_run": checks["capture"],
+                "requests": last["requests"],
+                "layers": facts.num_layers,
+                "rows_per_request": last["rows_per_request"],
+                "expected_rows_per_request": last["expected_rows_per_request"],
+                "bytes_per_run": last["rows"] * facts.hidden_size * 4,  # float32 off the workers
+                "ok": True,  # a run whose captures were off raised above
+            }
+        if "idle" in outputs:
+            for name in ("steered", "capture"):
+                if name in outputs:
+                    changed = sum(a != b for a, b in zip(outputs["idle"], outputs[name]))
+                    info[f"{name}_requests_changed"] = f"{changed}/{len(outputs['idle'])}"
+            if info.get("steered_requests_changed", "").startswith("0/"):
+                info["warning"] = "steering changed no request's tokens"
+        info["planner"] = {name: planner_profile(llm, plan) for name, plan in conditions.items()}
     return info
+
+
+def parse_conditions(text: str) -> list[str]:
+    chosen = [c for c in text.split(",") if c]
+    unknown = [c for c in chosen if c not in CONDITIONS]
+    if unknown or not chosen or len(set(chosen)) != len(chosen):
+        raise SystemExit(f"--conditions: a comma list of distinct {', '.join(CONDITIONS)} (got {text!r})")
+    return chosen
 
 
 # -- driver -------------------------------------------------------------------------------------------
@@ -289,7 +397,7 @@ def run_worker(kind: str, args, folder: Path, dummy: bool, scratch: Path) -> dic
     if dummy:
         cmd.append("--dummy")
     for key in ("model", "batch", "max_tokens", "vectors", "hook", "norm", "repeats", "warmup", "dtype",
-                "max_model_len", "kv_cache_gib"):
+                "max_model_len", "kv_cache_gib", "conditions"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.eager:
         cmd.append("--eager")
@@ -308,25 +416,53 @@ def run_worker(kind: str, args, folder: Path, dummy: bool, scratch: Path) -> dic
     return {"kind": kind, "error": f"worker exited with {rc}", "process_s": wall}
 
 
+def goal_of(condition: str, med: float, reference: dict, model: str = "") -> tuple[str, str]:
+    """(goal, met?) of a condition's median time against its reference condition's, where both were timed."""
+    goals = GOALS_8B if "8b" in model else GOALS
+    if condition not in goals or reference.get(goals[condition][0]) is None:
+        return "", ""
+    against, limit = goals[condition]
+    base = reference[against]
+    if limit < 0:  # a throughput floor
+        change = base / med - 1
+        return f"tok/s>={limit:+.0%} vs {against}", "yes" if change >= limit else "NO"
+    change = med / base - 1
+    return f"<={limit:+.0%} vs {against}", "yes" if change <= limit else "NO"
+
+
+def check_of(worker: dict, condition: str) -> str:
+    if condition == "capture" and "capture_check" in worker:
+        c = worker["capture_check"]
+        lo, hi = c["rows_per_request"]
+        rows = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        return f"{c['requests']} req x {rows} rows, {c['runs_checked']} runs ok"
+    changed = worker.get(f"{condition}_requests_changed")
+    return f"{changed} changed" if changed else ""
+
+
 def table(results: list[dict]) -> str:
-    rows = [("model", "engine", "condition", "median s", "tok/s", "vs idle", "vs stock", "runs")]
+    rows = [("model", "engine", "condition", "median s", "tok/s", "vs idle", "vs stock", "goal", "met?", "runs",
+             "check")]
     for res in results:
         model, workers = res["model"], res["workers"]
         stock = next((w["median_s"].get("stock") for w in workers if w.get("kind") == "stock" and "median_s" in w),
                      None)
-        idle = next((w["median_s"]["idle"] for w in workers if w.get("kind") == "interp" and "median_s" in w), None)
+        idle = next((w["median_s"].get("idle") for w in workers if w.get("kind") == "interp" and "median_s" in w),
+                    None)
         tokens = res["batch"] * res["max_tokens"]
         for w in workers:
             if "median_s" not in w:
-                rows.append((model, w["kind"], "-", w.get("error", "?"), "", "", "", ""))
+                rows.append((model, w["kind"], "-", w.get("error", "?"), "", "", "", "", "", "", ""))
                 continue
             for cond, med in w["median_s"].items():
                 rel_idle = f"{med / idle - 1:+.2%}" if idle and w["kind"] == "interp" else ""
                 rel_stock = f"{med / stock - 1:+.2%}" if stock else ""
+                goal, met = (goal_of(cond, med, {"idle": idle, "stock": stock}, model) if w["kind"] == "interp"
+                             else ("", ""))
                 rows.append((model, w["kind"], cond, f"{med:.4f}", f"{tokens / med:.0f}", rel_idle, rel_stock,
-                             str(len(w["times_s"][cond]))))
+                             goal, met, str(len(w["times_s"][cond])), check_of(w, cond)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def main(argv=None) -> int:
@@ -334,6 +470,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2_135m",
                     help="smollm2_135m | tiny_random | llama8b-random | an HF folder")
     ap.add_argument("--engines", default="interp,stock", help="comma list of interp, stock, stock-default")
+    ap.add_argument("--conditions", default=",".join(CONDITIONS),
+                    help="comma list of the interp engine's conditions: idle, steered, capture")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--vectors", type=int, default=16, help="distinct steering vectors over the batch")
@@ -363,6 +501,7 @@ def main(argv=None) -> int:
         results = [json.loads(Path(p).read_text()) for p in args.report if Path(p).exists()]
         print(table(results))
         return 0
+    parse_conditions(args.conditions)
     if args.worker:
         info = worker(args)
         Path(args.worker_json).write_text(json.dumps(info, indent=1))
@@ -377,7 +516,8 @@ def main(argv=None) -> int:
         "model": args.model, "folder": str(folder), "prepare_s": prepare_s,
         "batch": args.batch, "max_tokens": args.max_tokens, "vectors": args.vectors, "hook": args.hook,
         "norm": args.norm, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
-        "eager": args.eager, "weights": args.weights if args.model in ("llama8b-random", "random-llama") else "file",
+        "eager": args.eager, "conditions": args.conditions,
+        "weights": args.weights if args.model in ("llama8b-random", "random-llama") else "file",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "workers": [],
     }

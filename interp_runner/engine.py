@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -66,6 +68,11 @@ def set_batch_invariant(enabled: bool) -> None:
     _batch_invariant_in_process = enabled
 
 
+def one_token_no_text(request: EngineRequest) -> bool:
+    """A request that takes the bulk path: one generated token, no top-k log-probabilities."""
+    return request.sampling.get("max_tokens") == 1 and not request.sampling.get("logprobs")
+
+
 class VllmEngine:
     """One vLLM engine with interp ops at the sites of ``spec``. Reusable for any plan whose sites it has."""
 
@@ -100,6 +107,8 @@ class VllmEngine:
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.spec = spec
+        self._serial = 0
+        self.checksums: list[dict] = []
         self.llm = LLM(**kwargs)
         self.status = self._check_plugin()
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -144,15 +153,15 @@ class VllmEngine:
             )
         if not requests:
             return {}
+        if all(one_token_no_text(r) for r in requests):
+            return self._run_bulk(requests)
         outputs = self.llm.generate(
             [r.engine_prompt() for r in requests],
             [r.sampling_params() for r in requests],
             use_tqdm=use_tqdm,
         )
         rids = [r.rid for r in requests]
-        collected = {}
-        for per_rank in self.llm.collective_rpc("interp_collect", args=(rids,)):
-            collected.update(per_rank)
+        collected = self._collect(rids)
         results = {}
         for request, output in zip(requests, outputs):
             completion = output.outputs[0]
@@ -174,6 +183,92 @@ class VllmEngine:
                 cached_tokens=int(output.num_cached_tokens or 0),
             )
         return results
+
+    def _run_bulk(self, requests: Sequence[EngineRequest]) -> dict[str, RequestResult]:
+        """One-token requests straight into the engine core: no input rendering, no output processing.
+
+        ``LLM.generate`` spends a large share of a short request's cost in its front end (prompt rendering and
+        parameter processing per request; detokenization and ``RequestOutput`` objects on the way out). Here the
+        sampling parameters are processed once per distinct setting and shallow-copied per request with its own
+        payload; the core's outputs are read directly. Same scheduler, model runner and sampling as ``generate``."""
+        from vllm import SamplingParams
+        from vllm.v1.engine import EngineCoreRequest
+
+        engine = self.llm.llm_engine
+        core = engine.engine_core
+        processed: dict[str, object] = {}
+        pending: dict[str, EngineRequest] = {}
+        arrival = time.time()
+        for r in requests:
+            settings = {k: v for k, v in r.sampling.items() if k != "extra_args"}
+            key = repr(sorted(settings.items()))
+            params = processed.get(key)
+            if params is None:
+                params = engine.input_processor.process_inputs(
+                    r.rid, {"prompt_token_ids": list(r.prompt.token_ids)}, SamplingParams(**settings),
+                    supported_tasks=engine.get_supported_tasks(),
+                ).sampling_params
+                processed[key] = params
+            params = copy.copy(params)
+            params.extra_args = r.sampling.get("extra_args")
+            self._serial += 1
+            internal = f"{r.rid}-{self._serial:08x}"
+            pending[internal] = r
+            core.add_request(EngineCoreRequest(
+                request_id=internal, prompt_token_ids=list(r.prompt.token_ids), mm_features=None,
+                sampling_params=params, pooling_params=None, arrival_time=arrival, lora_request=None,
+                cache_salt=None, data_parallel_rank=None, external_req_id=r.rid,
+            ))
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+        cached: dict[str, int] = {}
+        done: dict[str, EngineRequest] = {}
+        try:
+            while len(done) < len(pending):
+                for out in core.get_output().outputs:
+                    if out.request_id not in pending:
+                        continue
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.new_logprobs is not None:
+                        logprobs.setdefault(out.request_id, []).extend(
+                            float(x) for x in np.asarray(out.new_logprobs.logprobs)[:, 0])
+                    if out.prefill_stats is not None:
+                        cached[out.request_id] = int(out.prefill_stats.num_cached_tokens)
+                    if out.finished:
+                        done[out.request_id] = pending[out.request_id]
+        except BaseException:
+            core.abort_requests([k for k in pending if k not in done])
+            raise
+        collected = self._collect([r.rid for r in requests])
+        decode = self.llm.get_tokenizer().decode
+        results = {}
+        for internal, request in pending.items():
+            ids = tokens.get(internal, [])
+            worker = collected.get(request.rid, {})
+            results[request.rid] = RequestResult(
+                rid=request.rid, prompt_index=request.prompt.index, token_ids=ids,
+                text=decode(ids, skip_special_tokens=True), logprobs=logprobs.get(internal, []),
+                captures=worker.get("captures", {}), score=worker.get("score"), void=worker.get("void"),
+                cached_tokens=cached.get(internal, 0),
+            )
+        return results
+
+    def _collect(self, rids: list[str]) -> dict:
+        """Per-request results from the result rank, after checking that every rank applied the same."""
+        collected = {}
+        for per_rank in self.llm.collective_rpc("interp_collect", args=(rids,)):
+            collected.update(per_rank)
+        self.check_ranks()
+        return collected
+
+    def check_ranks(self) -> list[dict]:
+        """Every worker's running checksum of the interventions it applied; a rank that differs fails the run."""
+        self.checksums = list(self.llm.collective_rpc("interp_checksum"))
+        if len({(c["digest"], c["steps"]) for c in self.checksums}) > 1:
+            listed = ", ".join(f"rank {i}: {c['digest']} ({c['steps']} steps)" for i, c in enumerate(self.checksums))
+            raise EngineError(f"tensor-parallel ranks applied different interventions ({listed}): "
+                              "results of this engine cannot be trusted")
+        return self.checksums
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

@@ -26,6 +26,7 @@ import hashlib
 import inspect
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -97,9 +98,13 @@ def plugin_fingerprint() -> str:
     from interp_runner import plugin, sites
     from interp_runner.plugin import layers, ops, prefix_cache, runtime
 
+    import interp_runner_kernels
     import interp_runner_kernels.reference as reference
 
     h = hashlib.sha256()
-    for module in (plugin, layers, ops, prefix_cache, runtime, reference, sites):
+    for module in (plugin, layers, ops, prefix_cache, runtime, interp_runner_kernels, reference, sites):
         h.update(inspect.getsource(module).encode())
+    triton_source = Path(interp_runner_kernels.__file__).with_name("triton_rows.py")
+    if triton_source.exists():  # read, not imported: hashing must not need Triton
+        h.update(triton_source.read_bytes())
     return h.hexdigest()[:16]

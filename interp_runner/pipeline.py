@@ -213,6 +213,7 @@ def run(
             STATUS_COMPLETE,
             finished_at=provenance.now(),
             engine={"dtype": engine.dtype, "plugin_status": engine.status, "reused": reused,
+                    "intervention_checksums": getattr(engine, "checksums", []),
                     "builds_in_process": engines.builds, "runs_in_process": engines.runs},
             figures=figures,
         )

@@ -3,6 +3,7 @@
 Patching reads per-row buffers of at least T rows: ``idx`` (bank row), ``coef`` (a, b) float32, ``mask`` bool.
 A patched row becomes ``a * value + b * bank[idx]`` computed in float32: (a, b) = (1 - alpha, alpha) patches
 toward a source (alpha = 1 is an exact replacement), (1, 1) adds the bank row. Unmasked rows keep their bits.
+Capture (``capture_rows_ref``) writes selected rows into a persistent buffer, up to a count held in a tensor.
 """
 
 import torch
@@ -38,3 +39,17 @@ def patch_pair(x, extra, bank, idx, coef, mask) -> tuple[torch.Tensor, torch.Ten
     m = mask[: x.shape[0], None]
     new = _patched(x.float() + extra.float(), bank, idx, coef).to(x.dtype)
     return torch.where(m, new, x), torch.where(m, torch.zeros_like(extra), extra)
+
+
+def capture_rows_ref(x, extra, src_rows, dest_rows, count, out) -> torch.Tensor:
+    """Capture into a persistent buffer: out[dest_rows[j]] = x[src_rows[j]] (+ extra[src_rows[j]], summed in
+    float32), cast to out's dtype, for j < count[0] (at most len(src_rows)); other rows of out are left alone.
+    ``count`` is a one-element tensor read here on the host (a sync); the Triton kernel reads it on the device.
+    Destination rows must be distinct. Returns ``out``."""
+    n = min(int(count.reshape(-1)[0]), src_rows.shape[0])
+    src = src_rows[:n]
+    value = x.index_select(0, src).float()
+    if extra is not None:
+        value = value + extra.index_select(0, src).float()
+    out.index_copy_(0, dest_rows[:n], value.to(out.dtype))
+    return out

@@ -134,3 +134,47 @@ def test_tiers_follow_prompt_length_under_chunked_prefill(chunked_engine, tiny_e
         assert positions.tolist() == list(range(n + 5))
         assert result.token_ids == reference.token_ids
         assert rel_err(post_block, reference.captures[site_id(layer, "post_block")][1]) <= 1e-4
+
+
+def test_captures_that_overflow_the_capture_buffer_come_back_the_same(tiny_engine):
+    """A step whose captured rows exceed the persistent buffer copies them out directly (outside CUDA graphs):
+    same rows, same values as through the buffer."""
+    import torch
+
+    from interp_runner.plugin import runtime
+
+    capture = [{"name": "gen", "hooks": ALL_HOOKS, "layers": "all", "positions": "all_generated"},
+               {"name": "prompt", "hooks": ["post_block"], "layers": [1, 2], "positions": "all_prompt"}]
+    _, through_buffer = run_config(tiny_engine, config(capture=capture), skip_reading_prefix_cache=True)
+    state = runtime.active_state()
+    kept = state.cap_out
+    state.cap_out = torch.zeros((3, kept.shape[1]), dtype=kept.dtype)  # smaller than any capturing step
+    try:
+        _, direct = run_config(tiny_engine, config(capture=capture), skip_reading_prefix_cache=True)
+    finally:
+        state.cap_out = kept
+    for a, b in zip(through_buffer, direct):
+        assert a.captures.keys() == b.captures.keys() and len(a.captures) == 4 * len(ALL_HOOKS)
+        for site, (positions, values) in a.captures.items():
+            np.testing.assert_array_equal(positions, b.captures[site][0])
+            np.testing.assert_array_equal(values, b.captures[site][1])
+
+
+def test_ranks_that_applied_different_interventions_fail_the_run(tiny_engine):
+    from interp_runner.engine import EngineError, VllmEngine
+
+    steering = {"global": {"base": {"post_block": {"layer": 1, "vector": vector(5)}}}}
+    before = tiny_engine.check_ranks()[0]
+    run_config(tiny_engine, config(steering=steering))
+    after = tiny_engine.check_ranks()[0]
+    assert after["digest"] != before["digest"] and after["steps"] > before["steps"]
+
+    class TwoRanks:  # what a diverged second rank would report
+        def collective_rpc(self, method, args=()):
+            assert method == "interp_checksum"
+            return [after, {"digest": "0" * 32, "steps": after["steps"]}]
+
+    diverged = VllmEngine.__new__(VllmEngine)
+    diverged.llm = TwoRanks()
+    with pytest.raises(EngineError, match="ranks applied different interventions"):
+        diverged.check_ranks()

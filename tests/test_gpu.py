@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hf_oracle
-from conftest import build_engine, every_site, run_config
+from conftest import build_engine, every_site, rel_err, run_config
 from interp_runner.sites import site_id
 from interp_runner.vectors import random_direction
 
@@ -377,17 +377,43 @@ def test_steered_decode_runs_in_cuda_graphs_and_matches_hf(engine, smollm2_path,
             assert result.token_ids[0] == plain.token_ids[0] and result.logprobs[0] == plain.logprobs[0]
 
 
-def test_capture_steps_leave_cuda_graphs(engine):
+def test_capture_runs_in_cuda_graphs_and_overflow_leaves_them(engine):
+    """Capture writes through persistent buffers inside the graphs: decode steps that capture replay them. A step
+    whose rows exceed the capture buffer runs outside the graphs and returns the same rows."""
     from vllm.config import CUDAGraphMode
 
+    from interp_runner.plugin import runtime
+
     steering = {"global": {"base": {"post_block": {"layer": 7, "vector": vec(11).tolist()}}}}
-    capture = [{"name": "gen", "hooks": ["post_block"], "layers": [7], "positions": "all_generated"}]
+    capture = [{"name": "gen", "hooks": ["post_block", "mlp_out"], "layers": [3, 7], "positions": "all_generated"}]
+    cfg = config(PROMPTS[:2], steering=steering, capture=capture)
     with record_steps() as steps:
-        _, results = fixed_shape_run(engine, config(PROMPTS[:2], steering=steering, capture=capture))
-    REPORT.append("capture steps (tokens, reqs, mode, replays, captured): " + repr(steps))
+        _, in_graphs = fixed_shape_run(engine, cfg)
+    REPORT.append("capture steps (tokens, reqs, mode, replays, overflowed): " + repr(steps))
     decode = [s for s in steps if s[0] == s[1]]
-    assert decode and all(s[4] for s in decode), steps
-    for scheduled, reqs, mode, replays, captured in decode:
-        assert mode == CUDAGraphMode.NONE and replays == 0, steps
-    for result in results:
-        assert len(result.captures[site_id(7, "post_block")][0]) == len(result.token_ids) - 1
+    assert decode, steps
+    for scheduled, reqs, mode, replays, overflowed in decode:
+        assert mode != CUDAGraphMode.NONE and replays >= 1 and not overflowed, steps
+    sites = [site_id(layer, hook) for layer in (3, 7) for hook in ("post_block", "mlp_out")]
+    for result in in_graphs:
+        for site in sites:
+            positions, values = result.captures[site]
+            assert len(positions) == len(result.token_ids) - 1 and np.isfinite(values).all()
+
+    state = runtime.active_state()
+    kept = state.cap_out
+    state.cap_out = torch.zeros((1, kept.shape[1]), dtype=kept.dtype, device=kept.device)
+    try:
+        with record_steps() as steps:
+            _, direct = fixed_shape_run(engine, cfg)
+    finally:
+        state.cap_out = kept
+    decode = [s for s in steps if s[0] == s[1]]
+    assert decode and all(s[4] and s[2] == CUDAGraphMode.NONE and s[3] == 0 for s in decode), steps
+    for a, b in zip(in_graphs, direct):
+        assert a.token_ids == b.token_ids
+        for site in sites:
+            np.testing.assert_array_equal(a.captures[site][0], b.captures[site][0])
+            err = rel_err(b.captures[site][1], a.captures[site][1])
+            note("capture in graphs vs outside", err, ACT_FLOOR)
+            assert err <= ACT_FLOOR, site

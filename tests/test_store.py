@@ -338,7 +338,7 @@ def test_pipeline_with_fake_engine_completes(tmp_path):
     attrs = dict(zarr.open_group(str(store), mode="r").attrs)
     assert attrs["status"] == STATUS_COMPLETE and "error" not in attrs
     assert attrs["engine"] == {"dtype": "float32", "plugin_status": {"loaded": True}, "reused": False,
-                               "builds_in_process": 1, "runs_in_process": 1}
+                               "intervention_checksums": [], "builds_in_process": 1, "runs_in_process": 1}
     assert MANIFEST_KEYS <= set(attrs)
     ds = xr.open_zarr(str(store), consolidated=False)
     assert ds.sizes["request"] == 3 and ds["acts"].shape[:3] == (3, 2, 2)

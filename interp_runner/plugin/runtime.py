@@ -13,13 +13,23 @@ pointing at them; each step only rewrites their contents:
 - ``patch_idx / patch_coef / patch_mask [patch site, row]``: per batch row, the bank row and (a, b) of the patch
   applied there (``kernels.reference.patch_rows``); rows without a patch are masked out and keep their bits.
 
-Capture copies rows out inside the op. Steps that capture run outside CUDA graphs (the op then sees this step's
-rows); all other steps replay the graphs, in which capture costs nothing. Scoring reads the log-probabilities of
-given token ids from the logits of the step that computes a request's last prompt token.
+- ``cap_src / cap_dest [capture site, row]``, ``cap_count [capture site]``: per capture site, which batch rows
+  the op copies (``cap_src[:count]``) to which rows of ``cap_out``, one buffer shared by all sites. The kernel
+  reads the count on the device, so capture runs inside CUDA graphs; a step that captures nothing costs one
+  near-empty launch per capture site. A step whose captures exceed ``cap_out`` runs outside the graphs and copies
+  its rows out directly (``capture_rows``).
+
+After a capturing step, ``cap_out`` is copied to pinned host memory without waiting (the next step's writes are
+queued behind the copy); scores are read from the logits of the step that computes a request's last prompt token
+and come back the same way. Both are resolved when results are collected.
+
+Every rank folds what it applies into a running checksum (``digest``): the steering table slots and values, the
+patch entries and bank values, the capture rows, per step. The runner compares the ranks' digests.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -27,7 +37,8 @@ import numpy as np
 import torch
 
 from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, unpack_positions
-from interp_runner_kernels.reference import gather_add, gather_rows, patch_pair, patch_rows
+import interp_runner_kernels as kernels
+from interp_runner_kernels.reference import gather_rows
 
 _active: InterpState | None = None
 _building: tuple[int, InterpState] | None = None
@@ -106,14 +117,26 @@ class InterpState:
         self._released: set[str] = set()
         self._free_bank = list(range(self.bank.shape[0] - 1, 0, -1))
         self.pending_scores: list[tuple[int, str, np.ndarray]] = []
+        self._score_copies: list[tuple] = []  # (event, chosen, top_lp, top_id, [(rid, token ids)]) in flight
         self._free_slots = list(range(self.num_slots - 1, 0, -1))
         self._slot_users: dict[tuple, list] = {}  # steer key -> [prefill slot, decode slot, refcount]
 
         self.vectors: dict[str, np.ndarray] = {}
         self.requests: dict[str, RequestPlan | None] = {}  # worker request id -> plan (None: no payload)
-        self.capture_rows: dict[int, torch.Tensor] = {}
-        self._capture_meta: dict[int, list[tuple[str, np.ndarray]]] = {}
+        self.capture_index = {site: i for i, site in enumerate(self.capture_sites)}
+        num_capture = max(len(self.capture_sites), 1)
+        self.cap_src = torch.zeros((num_capture, self.max_rows), dtype=torch.int64, device=self.device)
+        self.cap_dest = torch.zeros((num_capture, self.max_rows), dtype=torch.int64, device=self.device)
+        self.cap_count = torch.zeros(num_capture, dtype=torch.int32, device=self.device)
+        self.cap_out = torch.zeros((self.max_rows if self.capture_sites else 1, self.hidden_size),
+                                   dtype=self.dtype, device=self.device)
+        self._cap_count_dirty = False
+        self.capture_rows: dict[int, torch.Tensor] = {}  # rows copied directly, on steps that overflow cap_out
+        self._capture_meta: list[tuple[int, str, np.ndarray, int]] = []  # (site, rid, positions, first out row)
+        self._capture_copies: list[tuple] = []  # (event, host values, meta) in flight
         self.captured: list[tuple[int, torch.Tensor]] = []
+        self._digest = hashlib.blake2b(digest_size=16)
+        self.steps_applied = 0
         self.results: dict[str, dict[int, list[tuple[np.ndarray, np.ndarray]]]] = defaultdict(
             lambda: defaultdict(list)
         )
@@ -121,29 +144,39 @@ class InterpState:
         self.voided: dict[str, str] = {}
 
     # -- the op -------------------------------------------------------------------------------------
-    def _steer(self, x: torch.Tensor, site: int) -> torch.Tensor:
+    def _steer(self, x: torch.Tensor, site: int) -> torch.Tensor | None:
+        """x plus the rows' steering at this site (a fresh tensor), or None where the site does not steer."""
         index = self.steer_index.get(site)
-        return x.clone() if index is None else gather_add(x, self.table[index], self.row_slot)
+        return None if index is None else kernels.steer_add(x, self.table[index], self.row_slot)
 
     def _capture(self, site: int, out: torch.Tensor, extra: torch.Tensor | None) -> None:
-        if self.capture_rows:
+        if self.capture_rows:  # an overflowing step, outside the graphs
             rows = self.capture_rows.get(site)
             if rows is not None:
                 self.captured.append((site, gather_rows(out, rows, extra)))
+            return
+        k = self.capture_index.get(site)
+        if k is not None:
+            n = out.shape[0]
+            kernels.capture_rows(out, extra, self.cap_src[k, :n], self.cap_dest[k, :n], self.cap_count[k : k + 1],
+                                 self.cap_out)
 
     def apply_site(self, x: torch.Tensor, extra: torch.Tensor | None, site: int) -> torch.Tensor:
         out = self._steer(x, site)
         p = self.patch_index.get(site)
         if p is not None:  # a single tensor here: the embedding stream or a sub-layer output
-            out = patch_rows(out, self.bank, self.patch_idx[p], self.patch_coef[p], self.patch_mask[p])
+            out = kernels.patch_rows(x if out is None else out, self.bank, self.patch_idx[p], self.patch_coef[p],
+                                     self.patch_mask[p], out=out)
+        elif out is None:
+            out = x.clone()  # the op's result may not alias its input
         self._capture(site, out, extra)
         return out
 
     def apply_pair(self, x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.patch_index[site]
-        out, extra = patch_pair(
-            self._steer(x, site), extra, self.bank, self.patch_idx[p], self.patch_coef[p], self.patch_mask[p]
-        )
+        steered = self._steer(x, site)
+        out, extra = kernels.patch_pair(x if steered is None else steered, extra, self.bank, self.patch_idx[p],
+                                        self.patch_coef[p], self.patch_mask[p])
         self._capture(site, out, extra)
         return out, extra
 
@@ -169,6 +202,7 @@ class InterpState:
             if vec.shape != (self.hidden_size,):
                 raise ValueError(f"source {key}: length {vec.size}, model hidden size {self.hidden_size}")
             row = self._free_bank.pop()
+            self._fold(b"source", np.array([row]), vec)
             self.bank[row].copy_(torch.from_numpy(vec.copy()).to(self.dtype))
             self.bank_rows[key] = row
         self._released.difference_update(sources)
@@ -202,6 +236,7 @@ class InterpState:
                 for phase_index, phase in enumerate((PREFILL, DECODE)):
                     if phases & phase:
                         sums[phase_index, self.steer_index[site]] += np.float32(scale) * self.vectors[vkey]
+            self._fold(b"slots", np.array(users[:2]), sums)
             values = torch.from_numpy(sums).to(self.dtype)
             self.table[:, users[0]].copy_(values[0])
             self.table[:, users[1]].copy_(values[1])
@@ -250,19 +285,23 @@ class InterpState:
             plan.void = f"{len(missing)} patch source(s) not on the worker, e.g. {missing[0]}"
             self.voided[plan.rid] = plan.void
             return
-        sites = unpack_positions(patch["site"])
+        sites = unpack_positions(patch["site"]).astype(np.int64)
         positions = unpack_positions(patch["pos"]).astype(np.int64)
-        # one entry per (site, position): a later entry wins
-        _, last = np.unique((sites.astype(np.int64) * (1 << 32) + positions)[::-1], return_index=True)
-        keep = len(positions) - 1 - last
-        order = keep[np.argsort(positions[keep], kind="stable")]
-        plan.patch = (
-            positions[order],
-            np.array([self.patch_index[int(s)] for s in sites], dtype=np.int64)[order],
-            np.array([self.bank_rows[k] for k in keys], dtype=np.int64)[order],
-            np.frombuffer(patch["a"], dtype=np.float32)[order],
-            np.frombuffer(patch["b"], dtype=np.float32)[order],
+        entries = (
+            positions,
+            np.array([self.patch_index[s] for s in sites.tolist()], dtype=np.int64),
+            np.array([self.bank_rows[k] for k in keys], dtype=np.int64),
+            np.frombuffer(patch["a"], dtype=np.float32),
+            np.frombuffer(patch["b"], dtype=np.float32),
         )
+        by_position = positions * (1 << 32) + sites
+        if len(positions) > 1 and not (by_position[1:] > by_position[:-1]).all():
+            # one entry per (site, position), a later entry winning; sorted by position
+            _, last = np.unique((sites * (1 << 32) + positions)[::-1], return_index=True)
+            keep = len(positions) - 1 - last
+            order = keep[np.argsort(positions[keep], kind="stable")]
+            entries = tuple(e[order] for e in entries)
+        plan.patch = entries
         plan.bank_keys = tuple(set(keys))
         for key in plan.bank_keys:
             self._bank_users[key] = self._bank_users.get(key, 0) + 1
@@ -290,10 +329,11 @@ class InterpState:
                 self.row_slot.zero_()
                 self._row_slot_dirty = False
             self._plan_patches([], None, None)
-            return False
+            return self._plan_captures([], None, None)
 
         starts = runner.query_start_loc.np[: n + 1].astype(np.int64)
         computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
+        self.steps_applied += 1
         self._plan_patches(plans, starts, computed)
         for i, plan in enumerate(plans):
             if plan is not None and plan.score_ids is not None and computed[i] + starts[i + 1] - starts[i] \
@@ -311,14 +351,21 @@ class InterpState:
             slots[:num_tokens] = np.where(
                 positions < prompt_len[owner], prefill[owner], decode[owner]
             )
-            self.row_slot[:num_rows].copy_(torch.from_numpy(slots), non_blocking=True)
+            self.row_slot[:num_rows].copy_(self._upload(slots), non_blocking=True)
             self._row_slot_dirty = True
+            self._fold(b"steer", slots[:num_tokens])
         elif self._row_slot_dirty:
             self.row_slot.zero_()
             self._row_slot_dirty = False
 
+        return self._plan_captures(plans, starts, computed)
+
+    def _plan_captures(self, plans, starts, computed) -> bool:
+        """Point each capture site at this step's rows; returns whether the step must run outside the graphs
+        (its rows do not fit ``cap_out``: they are then copied out directly)."""
         rows_by_site: dict[int, list[np.ndarray]] = defaultdict(list)
-        meta: dict[int, list[tuple[str, np.ndarray]]] = defaultdict(list)
+        meta: list[tuple[int, str, np.ndarray, int]] = []
+        total = 0
         for i, plan in enumerate(plans):
             if plan is None or not plan.capture_groups:
                 continue
@@ -334,17 +381,50 @@ class InterpState:
                 rows = chosen - first + starts[i]
                 for site in sites:
                     rows_by_site[site].append(rows)
-                    meta[site].append((plan.rid, chosen))
-        device_rows: dict[bytes, torch.Tensor] = {}
+                    meta.append((site, plan.rid, chosen, -1))
+                    total += len(rows)
         self.capture_rows = {}
-        for site, parts in rows_by_site.items():
-            rows = np.concatenate(parts)
-            key = rows.tobytes()
-            if key not in device_rows:
-                device_rows[key] = torch.from_numpy(rows).to(self.device, non_blocking=True)
-            self.capture_rows[site] = device_rows[key]
-        self._capture_meta = dict(meta)
-        return bool(self.capture_rows)
+        if self._cap_count_dirty:
+            self.cap_count.zero_()
+            self._cap_count_dirty = False
+        self._capture_meta = []
+        if not rows_by_site:
+            return False
+        if total > self.cap_out.shape[0]:
+            device_rows: dict[bytes, torch.Tensor] = {}
+            for site, parts in rows_by_site.items():
+                rows = np.concatenate(parts)
+                key = rows.tobytes()
+                if key not in device_rows:
+                    device_rows[key] = self._upload(rows)
+                self.capture_rows[site] = device_rows[key]
+            self._capture_meta = meta  # read in the order the sites' gathers append (see after_forward)
+            self._fold(b"capture-direct", *(r for parts in rows_by_site.values() for r in parts))
+            return True
+        # cap_out rows in site order; each site's rows in the order of its requests
+        flat_index, src, dest = [], [], []
+        counts = np.zeros(self.cap_count.shape[0], dtype=np.int32)
+        first_row, offset = {}, 0
+        for site in sorted(rows_by_site):
+            k = self.capture_index[site]
+            rows = np.concatenate(rows_by_site[site])
+            counts[k] = len(rows)
+            flat_index.append(k * self.max_rows + np.arange(len(rows)))
+            src.append(rows)
+            dest.append(np.arange(offset, offset + len(rows)))
+            first_row[site] = offset
+            offset += len(rows)
+        for site, rid, chosen, _ in meta:
+            self._capture_meta.append((site, rid, chosen, first_row[site]))
+            first_row[site] += len(chosen)
+        flat = self._upload(np.concatenate(flat_index))
+        self.cap_src.view(-1)[flat] = self._upload(np.concatenate(src))
+        self.cap_dest.view(-1)[flat] = self._upload(np.concatenate(dest))
+        self.cap_count.copy_(self._upload(counts), non_blocking=True)
+        self._cap_count_dirty = True
+        self._capture_total = offset
+        self._fold(b"capture", counts, *src)
+        return False
 
     def _plan_patches(self, plans, starts, computed) -> None:
         """Point this step's patched rows at their bank rows; rows patched last step are unmasked first."""
@@ -367,50 +447,112 @@ class InterpState:
             self._patched_flat = None
         if not flats:
             return
-        flat = torch.from_numpy(np.concatenate(flats)).to(self.device, non_blocking=True)
-        self.patch_idx.view(-1)[flat] = torch.from_numpy(np.concatenate(banks)).to(self.device, non_blocking=True)
-        self.patch_coef.view(-1, 2)[flat] = torch.from_numpy(np.concatenate(coefs)).to(self.device,
-                                                                                       non_blocking=True)
+        flat = self._upload(np.concatenate(flats))
+        self.patch_idx.view(-1)[flat] = self._upload(np.concatenate(banks))
+        self.patch_coef.view(-1, 2)[flat] = self._upload(np.concatenate(coefs))
         mask[flat] = True
         self._patched_flat = flat
+        self._fold(b"patch", *flats, *banks, *coefs)
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting for the GPU: a copy from pageable memory would first
+        wait for all queued work; one from pinned memory is queued behind it (the pinned block is held by the
+        caching host allocator until the copy has run)."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _download(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Start copying a device tensor to the host; read the result after ``_wait`` on the step's event."""
+        if self.device.type != "cuda":
+            return tensor.to("cpu", copy=True)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
 
     def record_scores(self, logits: torch.Tensor) -> None:
-        """Log-probabilities of each scored request's token ids (any rank), and its top token."""
+        """Log-probabilities of each scored request's token ids (any rank), and its top token. Computed on the
+        device and copied back asynchronously: the step does not wait for them (``collect`` does)."""
         pending, self.pending_scores = self.pending_scores, []
         if not self.is_result_rank:
             return
-        rows = torch.tensor([i for i, _, _ in pending], device=logits.device)
+        rows = self._upload(np.array([i for i, _, _ in pending], dtype=np.int64))
         logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
         top_lp, top_id = logprobs.max(dim=-1)
         width = max(len(ids) for _, _, ids in pending)
         ids = np.zeros((len(pending), width), dtype=np.int64)
         for j, (_, _, tokens) in enumerate(pending):
             ids[j, : len(tokens)] = tokens
-        chosen = logprobs.gather(1, torch.from_numpy(ids).to(logits.device)).cpu().numpy()
-        top_lp, top_id = top_lp.cpu().numpy(), top_id.cpu().numpy()
-        for j, (_, rid, tokens) in enumerate(pending):
-            self.scores[rid] = {
-                "token_ids": tokens.astype(np.int32), "logprobs": chosen[j, : len(tokens)].astype(np.float32),
-                "top_id": int(top_id[j]), "top_logprob": float(top_lp[j]),
-            }
+        chosen = logprobs.gather(1, self._upload(ids))
+        copies = (self._download(chosen), self._download(top_lp), self._download(top_id))
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._score_copies.append((event, *copies, [(rid, tokens) for _, rid, tokens in pending]))
+
+    def _finish_scores(self) -> None:
+        copies, self._score_copies = self._score_copies, []
+        for event, chosen, top_lp, top_id, meta in copies:
+            if event is not None:
+                event.synchronize()
+            chosen, top_lp, top_id = chosen.numpy(), top_lp.numpy(), top_id.numpy()
+            for j, (rid, tokens) in enumerate(meta):
+                self.scores[rid] = {
+                    "token_ids": tokens.astype(np.int32), "logprobs": chosen[j, : len(tokens)].astype(np.float32),
+                    "top_id": int(top_id[j]), "top_logprob": float(top_lp[j]),
+                }
 
     def after_forward(self) -> None:
-        if not self.capture_rows:
-            return
-        captured, self.captured, self.capture_rows = self.captured, [], {}
-        if not self.is_result_rank or not captured:
-            return
-        values = torch.cat([t for _, t in captured]).float().cpu().numpy()
-        offset = 0
-        for site, tensor in captured:
-            for rid, positions in self._capture_meta[site]:
-                k = len(positions)
-                self.results[rid][site].append((positions, values[offset : offset + k]))
-                offset += k
+        """Start copying this step's captured rows to the host (resolved in ``collect``)."""
+        if self.capture_rows:  # an overflowing step: its gathers were appended in site order
+            captured, self.captured, self.capture_rows = self.captured, [], {}
+            if self.is_result_rank and captured:
+                values = torch.cat([t for _, t in captured])
+                meta, offset = [], 0
+                by_site = defaultdict(list)
+                for site, rid, chosen, _ in self._capture_meta:
+                    by_site[site].append((rid, chosen))
+                for site, _ in captured:
+                    for rid, chosen in by_site[site]:
+                        meta.append((site, rid, chosen, offset))
+                        offset += len(chosen)
+                self._keep_capture(values, meta)
+        elif self._capture_meta and self.is_result_rank:
+            self._keep_capture(self.cap_out[: self._capture_total], self._capture_meta)
+        self._capture_meta = []
+
+    def _keep_capture(self, values: torch.Tensor, meta: list) -> None:
+        host = self._download(values)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._capture_copies.append((event, host, meta))
+
+    def _finish_captures(self) -> None:
+        copies, self._capture_copies = self._capture_copies, []
+        for event, host, meta in copies:
+            if event is not None:
+                event.synchronize()
+            values = host.float().numpy()
+            for site, rid, chosen, offset in meta:
+                self.results[rid][site].append((chosen, values[offset : offset + len(chosen)]))
+
+    # -- the checksum of what was applied -------------------------------------------------------------
+    def _fold(self, tag: bytes, *arrays) -> None:
+        self._digest.update(tag)
+        for a in arrays:
+            self._digest.update(np.ascontiguousarray(a).tobytes())
+
+    def checksum(self) -> dict:
+        return {"digest": self._digest.hexdigest(), "steps": self.steps_applied}
 
     def collect(self, rids: list[str]) -> dict[str, dict]:
         """Per finished request: ``captures`` (site -> (positions, values); later rows win), ``score`` and
         ``void`` (why its patches could not be applied)."""
+        self._finish_scores()
+        self._finish_captures()
         out = {}
         for rid in rids:
             per_site = self.results.pop(rid, {})
@@ -522,6 +664,9 @@ class InterpWorkerExtension:
         state = self._interp()
         state.forget_finished(self.model_runner.requests)
         return state.release_sources(keys)
+
+    def interp_checksum(self) -> dict:
+        return self._interp().checksum()
 
     def interp_collect(self, rids: list[str]) -> dict:
         state = self._interp()
