@@ -64,3 +64,27 @@ def test_compile_cache_key_carries_plugin_fingerprint_and_sites():
         )
     }
     assert len(hashes) == 4  # no graph compiled for other ops (or none) is ever reused
+
+
+def test_pinned_ring_reuses_its_buffer_only_after_a_wait():
+    """The planner's host->device ring: arrays come back intact, parts are laid out one after another, and the
+    buffer is rewritten from its start only after waiting for the copies queued so far."""
+    import numpy as np
+    import torch
+
+    from interp_runner.plugin.runtime import PinnedRing
+
+    waits = []
+    ring = PinnedRing(256, torch.device("cpu"), synchronize=lambda: waits.append(ring.offset))
+    first = ring.upload(np.arange(8, dtype=np.int64))  # 64 bytes
+    kept = first.clone()
+    second = ring.upload(np.array([1.5, -2.0], dtype=np.float32))  # 8 bytes, aligned to 64
+    assert ring.offset == 128 and waits == []
+    assert second.tolist() == [1.5, -2.0] and kept.tolist() == list(range(8))
+    into = torch.zeros(3, dtype=torch.int32)
+    ring.upload(np.array([4, 5, 6], dtype=np.int32), into=into)
+    assert into.tolist() == [4, 5, 6] and ring.offset == 192
+    ring.upload(np.zeros(20, dtype=np.int64))  # 160 bytes do not fit after 192: wait, then from the start
+    assert waits == [192] and ring.offset == 192 and ring.wraps == 1
+    big = ring.upload(np.arange(100, dtype=np.int64))  # larger than the ring: copied directly
+    assert big.tolist() == list(range(100)) and ring.offset == 192

@@ -19,9 +19,10 @@ pointing at them; each step only rewrites their contents:
   near-empty launch per capture site. A step whose captures exceed ``cap_out`` runs outside the graphs and copies
   its rows out directly (``capture_rows``).
 
-After a capturing step, ``cap_out`` is copied to pinned host memory without waiting (the next step's writes are
-queued behind the copy); scores are read from the logits of the step that computes a request's last prompt token
-and come back the same way. Both are resolved when results are collected.
+No step waits for the GPU. Host arrays reach the device through a ring of pinned memory (``PinnedRing``: a copy
+from pageable memory would first wait for all queued work). A capturing step's rows are copied out of ``cap_out``
+on the device, and scores (read from the logits of the step that computes a request's last prompt token) stay
+there too; both are read back in bulk, when results are collected or once ``PENDING_BYTES`` have gathered.
 
 Every rank folds what it applies into a running checksum (``digest``): the steering table slots and values, the
 patch entries and bank values, the capture rows, per step. The runner compares the ranks' digests.
@@ -39,6 +40,9 @@ import torch
 from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, unpack_positions
 import interp_runner_kernels as kernels
 from interp_runner_kernels.reference import gather_rows
+
+STAGING_BYTES = 16 << 20  # pinned host ring for the planner's uploads
+PENDING_BYTES = 256 << 20  # device-side results read back once this much has gathered
 
 _active: InterpState | None = None
 _building: tuple[int, InterpState] | None = None
@@ -62,6 +66,41 @@ def state_for_current_engine(spec: dict) -> InterpState:
     return _active
 
 
+class PinnedRing:
+    """Host arrays to the device without a wait: each is written into the next free part of one pinned buffer and
+    copied from there asynchronously. The buffer is rewritten from its start only after the stream has finished
+    every copy queued so far (one wait per ``nbytes`` uploaded). With ``nbytes`` 0 (CPU engines) arrays are copied
+    directly."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int, device: torch.device, synchronize=None):
+        self.device = device
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0 and device.type == "cuda")
+        self.offset = 0
+        self.wraps = 0
+        self._synchronize = synchronize or (lambda: torch.cuda.current_stream().synchronize())
+
+    def upload(self, array: np.ndarray, into: torch.Tensor | None = None) -> torch.Tensor:
+        """``array`` on the device: a new tensor, or copied into ``into`` (same number of elements)."""
+        array = np.ascontiguousarray(array)
+        size = -(-array.nbytes // self.ALIGN) * self.ALIGN
+        if size > self.buffer.numel():  # larger than the ring (or no ring): a plain copy
+            host = torch.from_numpy(array)
+            return host.to(self.device) if into is None else into.copy_(host.view(into.shape))
+        if self.offset + size > self.buffer.numel():
+            self._synchronize()  # every copy out of the ring has run: its start may be rewritten
+            self.offset = 0
+            self.wraps += 1
+        part = self.buffer[self.offset : self.offset + array.nbytes]
+        self.offset += size
+        host = part.view(torch.from_numpy(array[:0]).dtype).view(array.shape)
+        host.numpy()[...] = array
+        if into is not None:
+            return into.copy_(host.view(into.shape), non_blocking=True)
+        return host.to(self.device, non_blocking=True)
+
+
 @dataclass
 class RequestPlan:
     rid: str
@@ -69,8 +108,8 @@ class RequestPlan:
     steer_key: tuple | None = None
     prefill_slot: int = 0
     decode_slot: int = 0
-    # (sites, captured prompt positions, captures generated tokens)
-    capture_groups: list[tuple[tuple[int, ...], np.ndarray, bool]] = field(default_factory=list)
+    # (sites, captured prompt positions, captures generated tokens, lowest and highest prompt position)
+    capture_groups: list[tuple[tuple[int, ...], np.ndarray, bool, int, int]] = field(default_factory=list)
     # patch entries sorted by position: (position, patch site index, bank row, a, b)
     patch: tuple[np.ndarray, ...] | None = None
     bank_keys: tuple[str, ...] = ()
@@ -104,7 +143,7 @@ class InterpState:
             dtype=self.dtype,
             device=self.device,
         )
-        self._row_slot_dirty = False
+        self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
         num_patch = max(len(self.patch_sites), 1)
         self.bank = torch.zeros((int(spec.get("bank_rows", 0)) + 1, self.hidden_size), dtype=self.dtype,
                                 device=self.device)
@@ -117,7 +156,9 @@ class InterpState:
         self._released: set[str] = set()
         self._free_bank = list(range(self.bank.shape[0] - 1, 0, -1))
         self.pending_scores: list[tuple[int, str, np.ndarray]] = []
-        self._score_copies: list[tuple] = []  # (event, chosen, top_lp, top_id, [(rid, token ids)]) in flight
+        self.staging = PinnedRing(STAGING_BYTES if self.device.type == "cuda" else 0, self.device)
+        self._pending: list[tuple] = []  # device-side results not yet read back: ("score" | "capture", ...)
+        self._pending_bytes = 0
         self._free_slots = list(range(self.num_slots - 1, 0, -1))
         self._slot_users: dict[tuple, list] = {}  # steer key -> [prefill slot, decode slot, refcount]
 
@@ -133,7 +174,6 @@ class InterpState:
         self._cap_count_dirty = False
         self.capture_rows: dict[int, torch.Tensor] = {}  # rows copied directly, on steps that overflow cap_out
         self._capture_meta: list[tuple[int, str, np.ndarray, int]] = []  # (site, rid, positions, first out row)
-        self._capture_copies: list[tuple] = []  # (event, host values, meta) in flight
         self.captured: list[tuple[int, torch.Tensor]] = []
         self._digest = hashlib.blake2b(digest_size=16)
         self.steps_applied = 0
@@ -268,10 +308,10 @@ class InterpState:
         merged: dict[tuple, list[int]] = {}
         for sites, positions, generated in payload.get("capture", ()):
             merged.setdefault((bytes(positions), bool(generated)), []).extend(sites)
-        plan.capture_groups = [
-            (tuple(sorted(set(sites))), unpack_positions(positions), generated)
-            for (positions, generated), sites in merged.items()
-        ]
+        for (positions, generated), sites in merged.items():
+            positions = unpack_positions(positions)
+            lo, hi = (int(positions.min()), int(positions.max())) if len(positions) else (0, -1)
+            plan.capture_groups.append((tuple(sorted(set(sites))), positions, generated, lo, hi))
         if payload.get("score") is not None:
             plan.score_ids = unpack_positions(payload["score"]).astype(np.int64)
         if payload.get("patch"):
@@ -325,9 +365,9 @@ class InterpState:
             plans.append(self.requests[rid])
         self.pending_scores = []
         if not any(plans):
-            if self._row_slot_dirty:
+            if self._row_slots is not False:
                 self.row_slot.zero_()
-                self._row_slot_dirty = False
+                self._row_slots = False
             self._plan_patches([], None, None)
             return self._plan_captures([], None, None)
 
@@ -351,12 +391,15 @@ class InterpState:
             slots[:num_tokens] = np.where(
                 positions < prompt_len[owner], prefill[owner], decode[owner]
             )
-            self.row_slot[:num_rows].copy_(self._upload(slots), non_blocking=True)
-            self._row_slot_dirty = True
+            if isinstance(self._row_slots, np.ndarray) and np.array_equal(self._row_slots, slots):
+                pass  # the buffer already holds these slots (steady decode of the same batch)
+            else:
+                self.staging.upload(slots, into=self.row_slot[:num_rows])
+            self._row_slots = slots
             self._fold(b"steer", slots[:num_tokens])
-        elif self._row_slot_dirty:
+        elif self._row_slots is not False:
             self.row_slot.zero_()
-            self._row_slot_dirty = False
+            self._row_slots = False
 
         return self._plan_captures(plans, starts, computed)
 
@@ -370,8 +413,12 @@ class InterpState:
             if plan is None or not plan.capture_groups:
                 continue
             first, count = int(computed[i]), int(starts[i + 1] - starts[i])
-            positions = np.arange(first, first + count)
-            for sites, prompt_positions, generated in plan.capture_groups:
+            positions = None
+            for sites, prompt_positions, generated, lo, hi in plan.capture_groups:
+                if not generated and (first > hi or first + count <= lo):
+                    continue  # nothing of this group in the step's rows
+                if positions is None:
+                    positions = np.arange(first, first + count)
                 keep = np.isin(positions, prompt_positions)
                 if generated:
                     keep |= positions >= plan.prompt_len
@@ -420,7 +467,7 @@ class InterpState:
         flat = self._upload(np.concatenate(flat_index))
         self.cap_src.view(-1)[flat] = self._upload(np.concatenate(src))
         self.cap_dest.view(-1)[flat] = self._upload(np.concatenate(dest))
-        self.cap_count.copy_(self._upload(counts), non_blocking=True)
+        self.staging.upload(counts, into=self.cap_count)
         self._cap_count_dirty = True
         self._capture_total = offset
         self._fold(b"capture", counts, *src)
@@ -455,24 +502,11 @@ class InterpState:
         self._fold(b"patch", *flats, *banks, *coefs)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
-        """A host array on the device without waiting for the GPU: a copy from pageable memory would first
-        wait for all queued work; one from pinned memory is queued behind it (the pinned block is held by the
-        caching host allocator until the copy has run)."""
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _download(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Start copying a device tensor to the host; read the result after ``_wait`` on the step's event."""
-        if self.device.type != "cuda":
-            return tensor.to("cpu", copy=True)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return host.copy_(tensor, non_blocking=True)
+        return self.staging.upload(array)
 
     def record_scores(self, logits: torch.Tensor) -> None:
         """Log-probabilities of each scored request's token ids (any rank), and its top token. Computed on the
-        device and copied back asynchronously: the step does not wait for them (``collect`` does)."""
+        device and kept there: the step does not wait for them (they are read back in bulk)."""
         pending, self.pending_scores = self.pending_scores, []
         if not self.is_result_rank:
             return
@@ -484,24 +518,32 @@ class InterpState:
         for j, (_, _, tokens) in enumerate(pending):
             ids[j, : len(tokens)] = tokens
         chosen = logprobs.gather(1, self._upload(ids))
-        copies = (self._download(chosen), self._download(top_lp), self._download(top_id))
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self._score_copies.append((event, *copies, [(rid, tokens) for _, rid, tokens in pending]))
+        self._keep("score", (chosen, top_lp, top_id), [(rid, tokens) for _, rid, tokens in pending])
 
-    def _finish_scores(self) -> None:
-        copies, self._score_copies = self._score_copies, []
-        for event, chosen, top_lp, top_id, meta in copies:
-            if event is not None:
-                event.synchronize()
-            chosen, top_lp, top_id = chosen.numpy(), top_lp.numpy(), top_id.numpy()
-            for j, (rid, tokens) in enumerate(meta):
-                self.scores[rid] = {
-                    "token_ids": tokens.astype(np.int32), "logprobs": chosen[j, : len(tokens)].astype(np.float32),
-                    "top_id": int(top_id[j]), "top_logprob": float(top_lp[j]),
-                }
+    def _keep(self, kind: str, tensors: tuple, meta: list) -> None:
+        """Hold a step's results on the device (copies: the buffers they come from are rewritten next step);
+        read them back once enough have gathered, or when results are collected."""
+        tensors = tuple(t.clone() for t in tensors)
+        self._pending.append((kind, tensors, meta))
+        self._pending_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        if self._pending_bytes > PENDING_BYTES:
+            self._read_back()
+
+    def _read_back(self) -> None:
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        for kind, tensors, meta in pending:
+            if kind == "score":
+                chosen, top_lp, top_id = (t.cpu().numpy() for t in tensors)
+                for j, (rid, tokens) in enumerate(meta):
+                    self.scores[rid] = {
+                        "token_ids": tokens.astype(np.int32),
+                        "logprobs": chosen[j, : len(tokens)].astype(np.float32),
+                        "top_id": int(top_id[j]), "top_logprob": float(top_lp[j]),
+                    }
+            else:
+                values = tensors[0].float().cpu().numpy()
+                for site, rid, chosen, offset in meta:
+                    self.results[rid][site].append((chosen, values[offset : offset + len(chosen)]))
 
     def after_forward(self) -> None:
         """Start copying this step's captured rows to the host (resolved in ``collect``)."""
@@ -517,27 +559,10 @@ class InterpState:
                     for rid, chosen in by_site[site]:
                         meta.append((site, rid, chosen, offset))
                         offset += len(chosen)
-                self._keep_capture(values, meta)
+                self._keep("capture", (values,), meta)
         elif self._capture_meta and self.is_result_rank:
-            self._keep_capture(self.cap_out[: self._capture_total], self._capture_meta)
+            self._keep("capture", (self.cap_out[: self._capture_total],), self._capture_meta)
         self._capture_meta = []
-
-    def _keep_capture(self, values: torch.Tensor, meta: list) -> None:
-        host = self._download(values)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self._capture_copies.append((event, host, meta))
-
-    def _finish_captures(self) -> None:
-        copies, self._capture_copies = self._capture_copies, []
-        for event, host, meta in copies:
-            if event is not None:
-                event.synchronize()
-            values = host.float().numpy()
-            for site, rid, chosen, offset in meta:
-                self.results[rid][site].append((chosen, values[offset : offset + len(chosen)]))
 
     # -- the checksum of what was applied -------------------------------------------------------------
     def _fold(self, tag: bytes, *arrays) -> None:
@@ -551,8 +576,7 @@ class InterpState:
     def collect(self, rids: list[str]) -> dict[str, dict]:
         """Per finished request: ``captures`` (site -> (positions, values); later rows win), ``score`` and
         ``void`` (why its patches could not be applied)."""
-        self._finish_scores()
-        self._finish_captures()
+        self._read_back()
         out = {}
         for rid in rids:
             per_site = self.results.pop(rid, {})
