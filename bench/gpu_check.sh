@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: install the package (so vLLM finds the plugin through its entry point), build the local
-# models, run the GPU tests, then the steering-overhead benchmark. Logs and results go under $OUT
+# models, run the GPU tests, then the benchmarks. Logs and results go under $OUT
 # (default ./gpu-out); a short table is printed last.
 #
-#   bash bench/gpu_check.sh                      # every stage: setup tests bench-small bench-8b
+#   bash bench/gpu_check.sh                      # setup tests kernels bench-small
 #   bash bench/gpu_check.sh setup tests          # some stages, in the order given
 #
 # Stages: setup (install + models + versions), tests (pytest -m gpu: tests/test_gpu.py, tests/test_kernels.py),
@@ -22,7 +22,7 @@ REPO=$PWD
 OUT=${OUT:-$REPO/gpu-out}
 mkdir -p "$OUT"
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(setup tests bench-small bench-8b)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(setup tests kernels bench-small)
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
 PY=${PYTHON:-python3}
 SITE_IR=${INTERP_SITE:-/tmp/site-ir}
