@@ -14,6 +14,7 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -247,9 +248,16 @@ def kv_ranges(steer: list, patch: list, prompt_len: int) -> list:
             ranges.append([start, end, digest(terms)])
     at: dict[int, list] = {}
     for site, position, key, a, b in patch:
-        at.setdefault(int(position), []).append([int(site), key, float(a), float(b)])
-    ranges += [[p, p + 1, digest(sorted(entries))] for p, entries in sorted(at.items())]
+        at.setdefault(int(position), []).append((int(site), key, float(a), float(b)))
+    ranges += [[p, p + 1, _entries_digest(tuple(sorted(entries)))] for p, entries in sorted(at.items())]
     return ranges
+
+
+@lru_cache(maxsize=1 << 16)
+def _entries_digest(entries: tuple) -> str:
+    """``digest`` of one position's patch entries (JSON makes tuples lists): the noise entries of a causal trace
+    recur in every cell of their sample."""
+    return digest(entries)
 
 
 def make_request(
@@ -382,10 +390,12 @@ def requests_hash(requests: Sequence[EngineRequest]) -> str:
             return obj.hex()
         raise TypeError(type(obj))
 
-    canonical = [
-        {"rid": r.rid, "tokens": list(r.prompt.token_ids), "sampling": r.sampling, "stage": r.stage,
-         "condition": r.condition}
-        for r in requests
-    ]
-    blob = json.dumps(canonical, sort_keys=True, default=default, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()
+    # the hash of the JSON list of every request, fed one request at a time
+    encoder = json.JSONEncoder(sort_keys=True, default=default, separators=(",", ":"))
+    h = hashlib.sha256(b"[")
+    for i, r in enumerate(requests):
+        item = {"rid": r.rid, "tokens": list(r.prompt.token_ids), "sampling": r.sampling, "stage": r.stage,
+                "condition": r.condition}
+        h.update((b"," if i else b"") + encoder.encode(item).encode())
+    h.update(b"]")
+    return h.hexdigest()
