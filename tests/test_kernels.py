@@ -11,8 +11,6 @@ Every test draws fresh seeded inputs; persistent outputs start as NaN, so a row 
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -234,111 +232,18 @@ def test_capture_rows_cpu(count, dtype, with_extra, out_dtype):
 
 
 # ---------------------------------------------------------------- CPU: the Triton kernels under the interpreter
-#
-# Triton's interpreter runs the kernels with numpy on CPU tensors. TRITON_INTERPRET=1 is read when a kernel is
-# decorated, so the test loads its own copy of kernels/triton_rows.py with the variable set (the package's copy,
-# the CUDA one, is left alone), and MAX_BLOCK_D is lowered so that rows span several column blocks with a masked
-# tail. The interpreter rounds float32 -> bfloat16 toward zero where the GPU rounds to nearest even: in bfloat16
-# a rounded result is checked within one unit in the last place; copies, bank rows and zeros stay exact.
-
-INTERP_D = 40  # three column blocks of 16 (the last one masked)
 
 
-# vLLM's import reconfigures Triton on a machine without a GPU driver, after which the interpreter cannot run
-# every kernel: these tests run in a fresh process (test_interpreter_suite) that imports no vLLM.
-FRESH_PROCESS = os.environ.get("INTERP_KERNELS_INTERPRETER") == "1"
-
-
-def test_interpreter_suite():
-    if FRESH_PROCESS:
-        pytest.skip("this is the fresh process")
+def test_kernels_under_the_triton_interpreter():
+    """tests/interpreter_kernels.py in a fresh process: vLLM's import reconfigures Triton on a machine without a
+    GPU driver, after which the interpreter cannot run every kernel, so it must not share this process."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreter and not suite"],
-        env={**os.environ, "INTERP_KERNELS_INTERPRETER": "1"}, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).with_name(
+            "interpreter_kernels.py"))],
+        capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    if not FRESH_PROCESS:
-        pytest.skip("runs in a fresh process: test_interpreter_suite")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    module = _interpreted_module()
-    monkeypatch.setattr(module, "MAX_BLOCK_D", 16)
-    return module
-
-
-_INTERPRETED = {}
-
-
-def _interpreted_module():
-    if "module" not in _INTERPRETED:
-        try:
-            import triton  # noqa: F401
-        except Exception as err:  # Triton missing or broken here
-            pytest.skip(f"Triton does not import: {err}")
-        spec = importlib.util.spec_from_file_location("interp_rows_interpreted", KERNELS_DIR / "triton_rows.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _INTERPRETED["module"] = module
-    return _INTERPRETED["module"]
-
-
-def check_rounded(got, want, scale=None):
-    if want.dtype == torch.float32:
-        assert same(got, want)
-    else:
-        assert_within_ulp(got, want, scale)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_interpreter_steer_add(interpreted, dtype):
-    inp = make_inputs(50, 7, INTERP_D, dtype)
-    got = interpreted.steer_add(inp["x"], inp["table"], inp["row_slot"])
-    check_rounded(got, kernels.steer_add(inp["x"], inp["table"], inp["row_slot"]))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", ["mixed", "none_masked", "alpha1"])
-def test_interpreter_patch(interpreted, case, dtype):
-    rows, masked, alpha = CASES[case]
-    inp = make_inputs(60, rows, INTERP_D, dtype, masked=masked, alpha=alpha)
-    x, args = inp["x"], (inp["bank"], inp["idx"], inp["coef"], inp["mask"])
-    m = inp["mask"][:rows]
-
-    want = kernels.patch_rows(x, *args)
-    got = interpreted.patch_rows(x, *args, out=torch.full_like(x, NAN))
-    check_rounded(got, want, lerp_scale(x, inp))
-    in_place = x.clone()
-    assert interpreted.patch_rows(in_place, *args, out=in_place) is in_place
-    check_rounded(in_place, want, lerp_scale(x, inp))
-    assert same(got[~m], x[~m]) and same(in_place[~m], x[~m])
-
-    want, want_extra = kernels.patch_pair(x, inp["extra"], *args)
-    got, got_extra = interpreted.patch_pair(x, inp["extra"], *args)
-    check_rounded(got, want, lerp_scale(x.float() + inp["extra"].float(), inp))
-    assert same(got_extra, want_extra) and same(got[~m], x[~m])
-    if case == "alpha1":
-        assert same(got, want)  # bank rows: nothing to round
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("count", [0, 4, 6])
-def test_interpreter_capture(interpreted, dtype, count):
-    inp = make_inputs(70, 8, INTERP_D, dtype)
-    for extra, odt in [(None, dtype), (inp["extra"], torch.float32), (inp["extra"], dtype)]:
-        src, dest, count_t, out = capture_setup(70, 8, INTERP_D, dtype, odt, count)
-        want = capture_rows_ref(inp["x"], extra, src, dest, count_t, out.clone())
-        assert interpreted.capture_rows(inp["x"], extra, src, dest, count_t.long(), out) is out
-        written = torch.zeros(out.shape[0], dtype=torch.bool)
-        written[dest[:count]] = True
-        assert out[~written].isnan().all()
-        if extra is None or odt == torch.float32:
-            assert same(out, want)  # a copy, or a float32 sum: exact
-        else:
-            check_rounded(out[written], want[written])
 
 
 # ---------------------------------------------------------------- GPU: Triton against the reference on CUDA
