@@ -174,6 +174,7 @@ class InterpState:
         self._cap_count_dirty = False
         self.capture_rows: dict[int, torch.Tensor] = {}  # rows copied directly, on steps that overflow cap_out
         self._capture_meta: list[tuple[int, str, np.ndarray, int]] = []  # (site, rid, positions, first out row)
+        self._capture_total = 0  # rows of cap_out written this step
         self.captured: list[tuple[int, torch.Tensor]] = []
         self._digest = hashlib.blake2b(digest_size=16)
         self.steps_applied = 0
@@ -546,7 +547,7 @@ class InterpState:
                     self.results[rid][site].append((chosen, values[offset : offset + len(chosen)]))
 
     def after_forward(self) -> None:
-        """Start copying this step's captured rows to the host (resolved in ``collect``)."""
+        """Keep this step's captured rows (copied on the device; read back in bulk by ``_read_back``)."""
         if self.capture_rows:  # an overflowing step: its gathers were appended in site order
             captured, self.captured, self.capture_rows = self.captured, [], {}
             if self.is_result_rank and captured:
