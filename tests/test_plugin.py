@@ -88,3 +88,5 @@ def test_pinned_ring_reuses_its_buffer_only_after_a_wait():
     assert waits == [192] and ring.offset == 192 and ring.wraps == 1
     big = ring.upload(np.arange(100, dtype=np.int64))  # larger than the ring: copied directly
     assert big.tolist() == list(range(100)) and ring.offset == 192
+    with torch.device("meta"):  # vLLM builds the model (and this ring) under a default device
+        assert PinnedRing(64, torch.device("cpu")).buffer.device.type == "cpu"

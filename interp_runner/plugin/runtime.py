@@ -76,7 +76,9 @@ class PinnedRing:
 
     def __init__(self, nbytes: int, device: torch.device, synchronize=None):
         self.device = device
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0 and device.type == "cuda")
+        # on the host even where the engine sets a default device for model construction
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu",
+                                  pin_memory=nbytes > 0 and device.type == "cuda")
         self.offset = 0
         self.wraps = 0
         self._synchronize = synchronize or (lambda: torch.cuda.current_stream().synchronize())
