@@ -14,7 +14,8 @@
 # GPU_CHECK_BUDGET_S (default 540) bounds the whole run: each stage gets what is left, and a stage is skipped
 # when under 30 s are left. Under a 10-minute limit per command, split the stages over calls, e.g.
 # `setup tests kernels bench-trace`, then `setup bench-small bench-store bench-8b`. Environment knobs:
-# BENCH_ENGINES, BENCH_CONDITIONS, BENCH_8B_CONDITIONS, BENCH_REPEATS, TRACE_REPEATS, STORE_DIR.
+# BENCH_ENGINES, BENCH_8B_ENGINES, BENCH_CONDITIONS, BENCH_8B_CONDITIONS, BENCH_REPEATS, TRACE_REPEATS, STORE_DIR,
+# TEST_FILES.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -50,7 +51,7 @@ main() {
       tests) stage_tests $(( budget < ${TESTS_MAX_S:-360} ? budget : ${TESTS_MAX_S:-360} )) || rc=$? ;;
       bench-small) stage_bench "$budget" smollm2_135m "${BENCH_ENGINES:-interp,stock}" || rc=$? ;;
       bench-8b) BENCH_CONDITIONS=${BENCH_8B_CONDITIONS:-idle,steered} \
-        stage_bench "$budget" llama8b-random "${BENCH_ENGINES:-interp,stock}" || rc=$? ;;
+        stage_bench "$budget" llama8b-random "${BENCH_8B_ENGINES:-${BENCH_ENGINES:-interp,stock}}" || rc=$? ;;
       bench-v2) stage_bench "$budget" smollm2_135m stock-default _v2 || rc=$? ;;
       kernels) timeout -k 10 $(( budget - 5 )) $PY bench/kernels.py --json "$OUT/kernels.json" || rc=$? ;;
       bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --repeats "${TRACE_REPEATS:-5}" \
@@ -113,7 +114,7 @@ stage_tests() {
   local budget=$1
   rm -f "$OUT/gpu_test_report.txt"
   INTERP_GPU_REPORT="$OUT/gpu_test_report.txt" timeout -k 10 $(( budget - 5 )) \
-    $PY -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_kernels.py tests/test_gpu.py 2>&1 \
+    $PY -m pytest -q -m gpu -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_kernels.py tests/test_gpu.py} 2>&1 \
     | tee "$OUT/pytest.log"
   local rc=${PIPESTATUS[0]}
   [ -f "$OUT/gpu_test_report.txt" ] && cat "$OUT/gpu_test_report.txt"

@@ -90,3 +90,99 @@ def test_pinned_ring_reuses_its_buffer_only_after_a_wait():
     assert big.tolist() == list(range(100)) and ring.offset == 192
     with torch.device("meta"):  # vLLM builds the model (and this ring) under a default device
         assert PinnedRing(64, torch.device("cpu")).buffer.device.type == "cpu"
+
+
+def _planner(hidden=16, sites=(4, 9)):
+    from types import SimpleNamespace as NS
+    from unittest import mock
+
+    import torch
+    import vllm.distributed
+
+    from interp_runner.plugin import runtime
+
+    cfg = NS(model_config=NS(hf_text_config=NS(hidden_size=hidden), dtype=torch.float32),
+             scheduler_config=NS(max_num_batched_tokens=64, max_num_seqs=8))
+    with mock.patch.object(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 0):
+        return runtime.InterpState(cfg, {"plugin": "test", "steer_sites": list(sites), "capture_sites": [sites[0]]})
+
+
+def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_steps():
+    """Per step, each row's steering at each site equals the sum of the tiers that apply to its position
+    (computed here from the payloads), whether the step was planned afresh or repeated the previous step's
+    buffers (same requests decoding); the checksum is the same as with every step planned afresh."""
+    import contextlib
+    from types import SimpleNamespace as NS
+    from unittest import mock
+
+    import numpy as np
+
+    from interp_runner.payload import DECODE, PREFILL, pack_positions
+    from interp_runner.plugin.runtime import InterpState
+
+    hidden, sites = 16, (4, 9)
+    rng = np.random.default_rng(1)
+    vectors = {f"v{i}": rng.standard_normal(hidden).astype(np.float32) for i in range(3)}
+    payloads = {  # request -> (prompt length, payload or None)
+        "A": (5, {"rid": "A", "steer": [[4, PREFILL | DECODE, "v0", 2.0], [9, DECODE, "v1", 1.0]]}),
+        "B": (3, None),
+        "C": (6, {"rid": "C", "steer": [[9, PREFILL, "v2", -1.0], [9, DECODE, "v0", 0.5]]}),
+        "D": (4, {"rid": "D", "capture": [[[4], pack_positions([3]), False]]}),
+    }
+    # each step: (request, first position, rows) in batch order
+    schedule = [[("A", 0, 5), ("B", 0, 3)]] + [[("A", 5 + s, 1), ("B", 3 + s, 1)] for s in range(3)]
+    # C's prompt in chunks of 4, 1 and 1 rows: its last prompt tokens come in steps of one row per request
+    schedule += [[("A", 8, 1), ("B", 6, 1), ("C", 0, 4)]] + [[("A", 9 + s, 1), ("B", 7 + s, 1), ("C", 4 + s, 1)]
+                                                             for s in range(5)]
+    schedule += [[("A", 14, 1), ("C", 9, 1)], [("C", 10, 1), ("A", 15, 1)]]  # B finished; the batch reordered
+    schedule += [[("A", 16, 1), ("C", 11, 1), ("D", 0, 4)]] + [[("A", 17 + s, 1), ("C", 12 + s, 1), ("D", 4 + s, 1)]
+                                                                for s in range(3)]
+
+    def expected(rid, position, site):
+        prompt_len, payload = payloads[rid]
+        phase = PREFILL if position < prompt_len else DECODE
+        total = np.zeros(hidden, np.float32)
+        for s, phases, key, scale in (payload or {}).get("steer", ()):
+            if s == site and phases & phase:
+                total += np.float32(scale) * vectors[key]
+        return total
+
+    def run(fresh_every_step: bool):
+        state = _planner(hidden, sites)
+        state.register_vectors({k: v.tobytes() for k, v in vectors.items()})
+        requests = {rid: NS(sampling_params=NS(extra_args={"interp": p} if p else None), num_prompt_tokens=n)
+                    for rid, (n, p) in payloads.items()}
+        planned_steps = []
+        forget = InterpState.forget_finished  # skipped by a repeated step
+        with mock.patch.object(InterpState, "_repeats_next_step", lambda *a: False) if fresh_every_step \
+                else contextlib.nullcontext(), \
+                mock.patch.object(InterpState, "forget_finished",
+                                  lambda self, live: planned_steps.append(1) or forget(self, live)):
+            for index, step in enumerate(schedule):
+                rids = [rid for rid, _, _ in step]
+                counts = [rows for _, _, rows in step]
+                finished = {"B"} if index >= 10 else set()
+                runner = NS(requests={r: v for r, v in requests.items() if r not in finished},
+                            input_batch=NS(num_reqs=len(step), req_ids=rids,
+                                           num_computed_tokens_cpu=np.array([p for _, p, _ in step], np.int32)),
+                            query_start_loc=NS(np=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)))
+                state.before_forward(runner, int(sum(counts)))
+                slots = state.row_slot.numpy()
+                row = 0
+                for rid, first, count in step:
+                    for position in range(first, first + count):
+                        for k, site in enumerate(sites):
+                            got = state.table[k, slots[row]].numpy()
+                            np.testing.assert_array_equal(got, expected(rid, position, site),
+                                                          err_msg=f"{rid} position {position} site {site}")
+                        row += 1
+                state.after_forward()
+        return state.checksum(), len(schedule) - len(planned_steps), state
+
+    planned, repeats_none, _ = run(fresh_every_step=True)
+    repeated_run, repeats, state = run(fresh_every_step=False)
+    assert repeats_none == 0 and repeats >= 6  # the steady decode steps reused their buffers
+    assert repeated_run == planned
+    state.before_forward(NS(requests={}, input_batch=NS(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(0)),
+                            query_start_loc=NS(np=np.zeros(1, np.int32))), 0)
+    assert state.collect(["D"])["D"]["captures"][4][0].tolist() == [3]  # the capture still ran
