@@ -186,3 +186,45 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
     state.before_forward(NS(requests={}, input_batch=NS(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(0)),
                             query_start_loc=NS(np=np.zeros(1, np.int32))), 0)
     assert state.collect(["D"])["D"]["captures"][4][0].tolist() == [3]  # the capture still ran
+
+
+def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fills():
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    from interp_runner.payload import DECODE, PREFILL
+
+    hidden, site = 16, 4
+    state = _planner(hidden, (site,))  # 8 sequences: 17 slots, 8 steering keys at once
+    rng = np.random.default_rng(2)
+    vectors = {f"v{i}": rng.standard_normal(hidden).astype(np.float32) for i in range(16)}
+    state.register_vectors({k: v.tobytes() for k, v in vectors.items()})
+
+    def wave(keys):
+        """One prefill step of a request per key; returns each request's prefill slot."""
+        requests = {f"{k}-{id(keys)}": NS(sampling_params=NS(extra_args={"interp": {
+            "rid": k, "steer": [[site, PREFILL | DECODE, k, 1.0]]}}), num_prompt_tokens=1) for k in keys}
+        rids = list(requests)
+        runner = NS(requests=requests, input_batch=NS(num_reqs=len(rids), req_ids=rids,
+                                                      num_computed_tokens_cpu=np.zeros(len(rids), np.int32)),
+                    query_start_loc=NS(np=np.arange(len(rids) + 1, dtype=np.int32)))
+        state.before_forward(runner, len(rids))
+        slots = state.row_slot.numpy()[: len(rids)].copy()
+        for row, key in enumerate(keys):
+            np.testing.assert_array_equal(state.table[0, slots[row]].numpy(), vectors[key], err_msg=key)
+        state.after_forward()
+        return dict(zip(keys, slots.tolist()))
+
+    def finish():
+        state.forget_finished({})
+
+    first = wave([f"v{i}" for i in range(8)])
+    finish()
+    again = wave(["v3", "v5"])
+    assert again == {"v3": first["v3"], "v5": first["v5"]}  # the rows were still in the table
+    finish()
+    later = wave([f"v{i}" for i in range(8, 16)])  # 8 new keys: the idle ones give their slots up
+    assert len(set(later.values())) == 8
+    finish()
+    wave(["v3"])  # evicted: computed again, with the right values

@@ -164,6 +164,8 @@ class InterpState:
         self._pending_bytes = 0
         self._free_slots = list(range(self.num_slots - 1, 0, -1))
         self._slot_users: dict[tuple, list] = {}  # steer key -> [prefill slot, decode slot, refcount]
+        # keys no request uses any more, oldest first: their table rows stay valid until the slots are needed
+        self._idle_slot_users: dict[tuple, list] = {}
 
         self.vectors: dict[str, np.ndarray] = {}
         self.requests: dict[str, RequestPlan | None] = {}  # worker request id -> plan (None: no payload)
@@ -272,7 +274,12 @@ class InterpState:
     def _acquire_slots(self, steer: list) -> tuple[tuple, int, int]:
         key = tuple(sorted((int(s), int(p), str(k), float(c)) for s, p, k, c in steer))
         users = self._slot_users.get(key)
+        if users is None and key in self._idle_slot_users:  # steered again (a sweep's next wave): reuse
+            users = self._slot_users[key] = self._idle_slot_users.pop(key)
         if users is None:
+            while len(self._free_slots) < 2 and self._idle_slot_users:
+                oldest = next(iter(self._idle_slot_users))
+                self._free_slots.extend(self._idle_slot_users.pop(oldest)[:2])
             if len(self._free_slots) < 2:
                 raise RuntimeError("interp steering table is full")
             missing = [vkey for _, _, vkey, _ in key if vkey not in self.vectors]
@@ -309,8 +316,7 @@ class InterpState:
         users = self._slot_users[plan.steer_key]
         users[2] -= 1
         if users[2] == 0:
-            del self._slot_users[plan.steer_key]
-            self._free_slots.extend((users[0], users[1]))
+            self._idle_slot_users[plan.steer_key] = self._slot_users.pop(plan.steer_key)
 
     # -- per step -----------------------------------------------------------------------------------
     def _admit(self, request) -> RequestPlan | None:
@@ -325,8 +331,8 @@ class InterpState:
         for sites, positions, generated in payload.get("capture", ()):
             merged.setdefault((bytes(positions), bool(generated)), []).extend(sites)
         for (positions, generated), sites in merged.items():
-            positions = unpack_positions(positions)
-            lo, hi = (int(positions.min()), int(positions.max())) if len(positions) else (0, -1)
+            positions = np.unique(unpack_positions(positions)).astype(np.int64)  # sorted, once
+            lo, hi = (int(positions[0]), int(positions[-1])) if len(positions) else (0, -1)
             plan.capture_groups.append((tuple(sorted(set(sites))), positions, generated, lo, hi))
         if payload.get("score") is not None:
             plan.score_ids = unpack_positions(payload["score"]).astype(np.int64)
@@ -465,18 +471,16 @@ class InterpState:
             if plan is None or not plan.capture_groups:
                 continue
             first, count = int(computed[i]), int(starts[i + 1] - starts[i])
-            positions = None
+            end = first + count
             for sites, prompt_positions, generated, lo, hi in plan.capture_groups:
-                if not generated and (first > hi or first + count <= lo):
+                if not generated and (first > hi or end <= lo):
                     continue  # nothing of this group in the step's rows
-                if positions is None:
-                    positions = np.arange(first, first + count)
-                keep = np.isin(positions, prompt_positions)
-                if generated:
-                    keep |= positions >= plan.prompt_len
-                if not keep.any():
+                a, b = np.searchsorted(prompt_positions, (first, end))
+                chosen = prompt_positions[a:b]
+                if generated and end > plan.prompt_len:
+                    chosen = np.union1d(chosen, np.arange(max(first, plan.prompt_len), end))
+                if not len(chosen):
                     continue
-                chosen = positions[keep]
                 rows = chosen - first + starts[i]
                 for site in sites:
                     rows_by_site[site].append(rows)
