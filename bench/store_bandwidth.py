@@ -23,7 +23,7 @@ bandwidth ``dd`` gets in the same directory.
 - ``--variants`` (diagnostics, not the product's settings): the same dataset written by ``write_results`` with
   the captures' compressor changed (``uncompressed``; ``zstd-1``: zstd level 1 instead of the default level;
   ``blosc-lz4``: blosc lz4 with byte shuffle) or with zarr's ``async.concurrency`` (chunks encoded and written at
-  once, default 10) set to the CPU count (``concurrency``). ``--profile`` writes once more under cProfile and
+  once) set to the CPU count (``concurrency``; the store itself uses the larger of the CPU count and zarr's 10). ``--profile`` writes once more under cProfile and
   prints where the time goes, with the time spent inside zarr's worker threads (compression, file writes, the
   empty-chunk check) added up apart.
 

@@ -22,6 +22,7 @@ Root attributes hold the manifest (``interp_runner.provenance``) and ``status``:
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -208,7 +209,9 @@ def write_results(path: Path, ds: xr.Dataset) -> None:
                               "compressors": (BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),)}
     # to_zarr replaces the root attributes with the dataset's: carry the manifest over
     ds = ds.assign_attrs({**dict(zarr.open_group(str(path), mode="r").attrs), **ds.attrs})
-    ds.to_zarr(str(path), mode="a", zarr_format=3, consolidated=False, encoding=encoding)
+    # chunks in flight at once: at least one per core (zarr's default is 10), so compression keeps pace with disk
+    with zarr.config.set({"async.concurrency": max(os.cpu_count() or 1, zarr.config.get("async.concurrency"))}):
+        ds.to_zarr(str(path), mode="a", zarr_format=3, consolidated=False, encoding=encoding)
 
 
 class Journal:

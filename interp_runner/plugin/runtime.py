@@ -24,8 +24,8 @@ from pageable memory would first wait for all queued work). A capturing step's r
 on the device, and scores (read from the logits of the step that computes a request's last prompt token) stay
 there too; both are read back in bulk, when results are collected or once ``PENDING_BYTES`` have gathered.
 
-Every rank folds what it applies into a running checksum (``digest``): the steering table slots and values, the
-patch entries and bank values, the capture rows, per step. The runner compares the ranks' digests.
+Every rank folds what it applies into a running checksum (``digest``): the registered vectors, the steering table
+slots and the vector sets they hold, the patch entries and bank values, the capture rows, per step. The runner compares the ranks' digests.
 """
 
 from __future__ import annotations
