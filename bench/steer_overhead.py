@@ -230,6 +230,8 @@ def generate(llm, plan, interp: bool = False):
     """(seconds, token ids per request, worker results by request id). ``interp``: the timed call also takes
     the requests' results (captures) off the workers, as ``VllmEngine.run`` does; the worker keeps a request's
     captures until they are collected."""
+    from interp_runner.payload import unpack_results
+
     prompts = [r.engine_prompt() for r in plan.requests]
     params = [r.sampling_params() for r in plan.requests]
     collected = {}
@@ -237,7 +239,7 @@ def generate(llm, plan, interp: bool = False):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     if interp:
         for per_rank in llm.collective_rpc("interp_collect", args=([r.rid for r in plan.requests],)):
-            collected.update(per_rank)
+            collected.update(unpack_results(per_rank))
     dt = time.perf_counter() - t0
     return dt, [list(o.outputs[0].token_ids) for o in outputs], collected
 

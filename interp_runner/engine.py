@@ -13,7 +13,7 @@ import numpy as np
 from .compiler import EngineRequest
 from .config import ConfigError
 from .config.schema import EngineConfig
-from .payload import EngineSpec, plugin_fingerprint
+from .payload import EngineSpec, plugin_fingerprint, unpack_results
 from .plugin import ENABLE_ENV
 
 WORKER_EXTENSION = "interp_runner.plugin.runtime.InterpWorkerExtension"
@@ -257,7 +257,7 @@ class VllmEngine:
         """Per-request results from the result rank, after checking that every rank applied the same."""
         collected = {}
         for per_rank in self.llm.collective_rpc("interp_collect", args=(rids,)):
-            collected.update(per_rank)
+            collected.update(unpack_results(per_rank))
         self.check_ranks()
         return collected
 

@@ -228,3 +228,30 @@ def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fi
     assert len(set(later.values())) == 8
     finish()
     wave(["v3"])  # evicted: computed again, with the right values
+
+
+def test_overlapping_capture_specs_copy_each_row_once_even_in_a_step_of_one_request():
+    """Two capture specs of one request naming the same site and position (``last_prompt`` and ``all_prompt``,
+    say) in a step that holds only that request's prompt: every position comes back with its own row's value."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+    import torch
+
+    from interp_runner.payload import pack_positions
+
+    hidden, site, prompt_len = 16, 4, 10
+    state = _planner(hidden, (site,))
+    payload = {"rid": "A", "capture": [[[site], pack_positions([prompt_len - 1]), False],
+                                       [[site], pack_positions(range(prompt_len)), False]]}
+    runner = NS(requests={"A": NS(sampling_params=NS(extra_args={"interp": payload}), num_prompt_tokens=prompt_len)},
+                input_batch=NS(num_reqs=1, req_ids=["A"], num_computed_tokens_cpu=np.zeros(1, np.int32)),
+                query_start_loc=NS(np=np.array([0, prompt_len], np.int32)))
+    state.before_forward(runner, prompt_len)
+    x = torch.arange(prompt_len * hidden, dtype=torch.float32).reshape(prompt_len, hidden) + 1
+    extra = torch.full_like(x, 0.5)
+    state.apply_site(x, extra, site)
+    state.after_forward()
+    positions, values = state.collect(["A"])["A"]["captures"][site]
+    assert positions.tolist() == list(range(prompt_len))
+    np.testing.assert_array_equal(values, (x + extra).numpy())

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, unpack_positions
+from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, pack_results, unpack_positions
 import interp_runner_kernels as kernels
 from interp_runner_kernels.reference import gather_rows
 
@@ -117,6 +117,29 @@ class RequestPlan:
     bank_keys: tuple[str, ...] = ()
     score_ids: np.ndarray | None = None
     void: str | None = None
+
+
+def capture_groups(specs) -> list[tuple]:
+    """A request's capture specs ``[sites, positions, generated]`` as groups ``(sites, positions, generated, lo,
+    hi)`` in which every site appears once: a site named by several specs gets the union of their positions (a
+    step then copies each of its rows once, so a site never captures more rows than the step has)."""
+    by_site: dict[int, list[tuple[bytes, bool]]] = defaultdict(list)
+    for sites, positions, generated in specs:
+        for site in sites:
+            by_site[int(site)].append((bytes(positions), bool(generated)))
+    grouped: dict[tuple[bytes, bool], list[int]] = defaultdict(list)
+    for site, keys in by_site.items():
+        if len(set(keys)) == 1:
+            grouped[keys[0]].append(site)
+        else:
+            union = np.unique(np.concatenate([unpack_positions(p) for p, _ in keys]))
+            grouped[(union.astype(np.int32).tobytes(), any(g for _, g in keys))].append(site)
+    groups = []
+    for (positions, generated), sites in grouped.items():
+        positions = np.unique(unpack_positions(positions)).astype(np.int64)  # sorted, once
+        lo, hi = (int(positions[0]), int(positions[-1])) if len(positions) else (0, -1)
+        groups.append((tuple(sorted(sites)), positions, generated, lo, hi))
+    return groups
 
 
 class InterpState:
@@ -327,13 +350,7 @@ class InterpState:
         plan = RequestPlan(rid=payload["rid"], prompt_len=request.num_prompt_tokens)
         if payload.get("steer"):
             plan.steer_key, plan.prefill_slot, plan.decode_slot = self._acquire_slots(payload["steer"])
-        merged: dict[tuple, list[int]] = {}
-        for sites, positions, generated in payload.get("capture", ()):
-            merged.setdefault((bytes(positions), bool(generated)), []).extend(sites)
-        for (positions, generated), sites in merged.items():
-            positions = np.unique(unpack_positions(positions)).astype(np.int64)  # sorted, once
-            lo, hi = (int(positions[0]), int(positions[-1])) if len(positions) else (0, -1)
-            plan.capture_groups.append((tuple(sorted(set(sites))), positions, generated, lo, hi))
+        plan.capture_groups = capture_groups(payload.get("capture", ()))
         if payload.get("score") is not None:
             plan.score_ids = unpack_positions(payload["score"]).astype(np.int64)
         if payload.get("patch"):
@@ -750,4 +767,4 @@ class InterpWorkerExtension:
 
     def interp_collect(self, rids: list[str]) -> dict:
         state = self._interp()
-        return state.collect(rids) if state.is_result_rank else {}
+        return pack_results(state.collect(rids)) if state.is_result_rank else {}

@@ -1,0 +1,95 @@
+"""Tensor parallelism on CPU: the same run with TP = 2 gives TP = 1's steering, capture, patching and scoring
+results (fp32, within the all-reduce's rounding), and both ranks' intervention checksums are recorded and equal.
+
+Each run is a fresh process (vLLM starts TP workers with spawn), bound to its own cores and with its own Inductor
+cache (vLLM compiles the vocab-parallel embedding's mask with Inductor under TP, even in eager mode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from conftest import REPO
+
+pytestmark = pytest.mark.engine
+
+RUNNER = """
+import json, sys
+from pathlib import Path
+from interp_runner.pipeline import run
+if __name__ == "__main__":
+    config = json.loads(Path(sys.argv[1]).read_text())
+    print(run(config, Path(sys.argv[2])))
+"""
+
+CLEAN = "The Eiffel Tower is located in the city of"
+CORRUPT = "The Big Ben clock is located in the city of"
+
+
+def config(tp: int, store: str, max_tokens: int = 4) -> dict:
+    return {
+        "model": {"name": "tiny_random"},
+        "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 8,
+                   "tensor_parallel_size": tp},
+        "prompts": {"items": [{"text": t, "answer": " Paris", "foil": " Rome"} for t in (CLEAN, CORRUPT, CLEAN)]},
+        "sampling": {"max_tokens": max_tokens},
+        "steering": {
+            "global": {"prefill": {"post_block": {"layer": 0, "vector": {"random": {"seed": 0, "norm": 2.0}}}}},
+            "request": [{"prompts": [2], "decode": {"mlp_out": {"layer": "all",
+                                                                "vector": {"random": {"seed": 1, "norm": 3.0}}}}}],
+        },
+        "capture": [
+            {"name": "last", "hooks": ["pre_attn", "post_block"], "layers": "all", "positions": "last_prompt"},
+            {"name": "gen", "hooks": ["mlp_out"], "layers": [0, 3], "positions": "all_generated"},
+        ],
+        "patching": [
+            {"prompts": [1], "source": {"prompt": 0}, "hook": "post_block", "layers": "all", "alpha": 0.5},
+            {"prompts": [1], "source": {"zeros": True}, "hook": "attn_out", "layers": [1], "positions": [2, 3]},
+        ],
+        "store": {"path": store},
+    }
+
+
+def run_tp(tp: int, tmp_path, max_tokens: int) -> xr.Dataset:
+    store = tmp_path / f"tp{tp}.zarr"
+    cfg = tmp_path / f"tp{tp}.json"
+    cfg.write_text(json.dumps(config(tp, str(store), max_tokens)))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{tp}"),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0", "PYTHONPATH": str(REPO)}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:tp])
+    out = subprocess.run([sys.executable, "-c", RUNNER, str(cfg), str(tmp_path / f"run{tp}")], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return xr.open_zarr(store, consolidated=False)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores for two ranks")
+@pytest.mark.parametrize("max_tokens", [4, 1], ids=["generate", "one-token-bulk"])
+def test_tp2_matches_tp1_and_ranks_agree(tmp_path, max_tokens):
+    """``max_tokens`` 1 sends every request through the engine core directly (the causal-trace path)."""
+    one, two = run_tp(1, tmp_path, max_tokens), run_tp(2, tmp_path, max_tokens)
+    checksums = json.loads(json.dumps(two.attrs["engine"]["intervention_checksums"]))
+    assert len(checksums) == 2 and checksums[0] == checksums[1] and checksums[0]["steps"] > 0
+    assert len(one.attrs["engine"]["intervention_checksums"]) == 1
+
+    assert set(one.data_vars) == set(two.data_vars)
+    np.testing.assert_array_equal(one["tokens"].values, two["tokens"].values)
+    for name, var in one.data_vars.items():
+        if var.dtype.kind == "f":
+            a, b = var.values, two[name].values
+            scale = max(float(np.nanmax(np.abs(a))), 1.0)
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale if var.dtype != np.float16 else 1e-2 * scale,
+                                       err_msg=name)
+    # not vacuous: captures came back, and the patch moved its request away from the unpatched baseline
+    assert np.isfinite(two["last"].values).sum() > 0 and np.isfinite(two["gen"].values).sum() > 0
+    role = list(two["role"].values)
+    patched, baseline = role.index("patched"), role.index("baseline")
+    assert abs(float(two["answer_logprob"][patched]) - float(two["answer_logprob"][baseline])) > 1e-3
