@@ -89,7 +89,8 @@ def test_tp2_matches_tp1_and_ranks_agree(tmp_path, max_tokens):
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale if var.dtype != np.float16 else 1e-2 * scale,
                                        err_msg=name)
     # not vacuous: captures came back, and the patch moved its request away from the unpatched baseline
-    assert np.isfinite(two["last"].values).sum() > 0 and np.isfinite(two["gen"].values).sum() > 0
+    assert np.isfinite(two["last"].values).sum() > 0
+    assert max_tokens == 1 or np.isfinite(two["gen"].values).sum() > 0  # generated tokens, when fed back
     role = list(two["role"].values)
     patched, baseline = role.index("patched"), role.index("baseline")
     assert abs(float(two["answer_logprob"][patched]) - float(two["answer_logprob"][baseline])) > 1e-3
