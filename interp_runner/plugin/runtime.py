@@ -25,7 +25,8 @@ on the device, and scores (read from the logits of the step that computes a requ
 there too; both are read back in bulk, when results are collected or once ``PENDING_BYTES`` have gathered.
 
 Every rank folds what it applies into a running checksum (``digest``): the registered vectors, the steering table
-slots and the vector sets they hold, the patch entries and bank values, the capture rows, per step. The runner compares the ranks' digests.
+slots and the vector sets they hold, the patch entries and bank values, the capture rows, per step. The runner
+compares the ranks' digests.
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ def capture_groups(specs) -> list[tuple]:
         if len(set(keys)) == 1:
             grouped[keys[0]].append(site)
         else:
-            union = np.unique(np.concatenate([unpack_positions(p) for p, _ in keys]))
-            grouped[(union.astype(np.int32).tobytes(), any(g for _, g in keys))].append(site)
+            union = np.concatenate([unpack_positions(p) for p, _ in keys])  # made unique below
+            grouped[(union.tobytes(), any(g for _, g in keys))].append(site)
     groups = []
     for (positions, generated), sites in grouped.items():
         positions = np.unique(unpack_positions(positions)).astype(np.int64)  # sorted, once
