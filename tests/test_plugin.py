@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace as NS
 
 from interp_runner.payload import EngineSpec, plugin_fingerprint
 
@@ -93,7 +94,6 @@ def test_pinned_ring_reuses_its_buffer_only_after_a_wait():
 
 
 def _planner(hidden=16, sites=(4, 9)):
-    from types import SimpleNamespace as NS
     from unittest import mock
 
     import torch
@@ -107,12 +107,27 @@ def _planner(hidden=16, sites=(4, 9)):
         return runtime.InterpState(cfg, {"plugin": "test", "steer_sites": list(sites), "capture_sites": [sites[0]]})
 
 
+def _request(payload: dict | None, prompt_len: int):
+    """A worker-side request as the planner reads it."""
+    return NS(sampling_params=NS(extra_args={"interp": payload} if payload else None), num_prompt_tokens=prompt_len)
+
+
+def _runner(requests: dict, step: list[tuple[str, int, int]]):
+    """The model runner's view of one step: ``step`` lists (request id, first position, rows) in batch order."""
+    import numpy as np
+
+    counts = [rows for _, _, rows in step]
+    return NS(requests=requests,
+              input_batch=NS(num_reqs=len(step), req_ids=[rid for rid, _, _ in step],
+                             num_computed_tokens_cpu=np.array([first for _, first, _ in step], np.int32)),
+              query_start_loc=NS(np=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)))
+
+
 def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_steps():
     """Per step, each row's steering at each site equals the sum of the tiers that apply to its position
     (computed here from the payloads), whether the step was planned afresh or repeated the previous step's
     buffers (same requests decoding); the checksum is the same as with every step planned afresh."""
     import contextlib
-    from types import SimpleNamespace as NS
     from unittest import mock
 
     import numpy as np
@@ -150,8 +165,7 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
     def run(fresh_every_step: bool):
         state = _planner(hidden, sites)
         state.register_vectors({k: v.tobytes() for k, v in vectors.items()})
-        requests = {rid: NS(sampling_params=NS(extra_args={"interp": p} if p else None), num_prompt_tokens=n)
-                    for rid, (n, p) in payloads.items()}
+        requests = {rid: _request(p, n) for rid, (n, p) in payloads.items()}
         planned_steps = []
         forget = InterpState.forget_finished  # skipped by a repeated step
         with mock.patch.object(InterpState, "_repeats_next_step", lambda *a: False) if fresh_every_step \
@@ -159,14 +173,9 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
                 mock.patch.object(InterpState, "forget_finished",
                                   lambda self, live: planned_steps.append(1) or forget(self, live)):
             for index, step in enumerate(schedule):
-                rids = [rid for rid, _, _ in step]
-                counts = [rows for _, _, rows in step]
                 finished = {"B"} if index >= 10 else set()
-                runner = NS(requests={r: v for r, v in requests.items() if r not in finished},
-                            input_batch=NS(num_reqs=len(step), req_ids=rids,
-                                           num_computed_tokens_cpu=np.array([p for _, p, _ in step], np.int32)),
-                            query_start_loc=NS(np=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)))
-                state.before_forward(runner, int(sum(counts)))
+                live = {r: v for r, v in requests.items() if r not in finished}
+                state.before_forward(_runner(live, step), sum(rows for _, _, rows in step))
                 slots = state.row_slot.numpy()
                 row = 0
                 for rid, first, count in step:
@@ -183,14 +192,11 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
     repeated_run, repeats, state = run(fresh_every_step=False)
     assert repeats_none == 0 and repeats >= 6  # the steady decode steps reused their buffers
     assert repeated_run == planned
-    state.before_forward(NS(requests={}, input_batch=NS(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(0)),
-                            query_start_loc=NS(np=np.zeros(1, np.int32))), 0)
+    state.before_forward(_runner({}, []), 0)
     assert state.collect(["D"])["D"]["captures"][4][0].tolist() == [3]  # the capture still ran
 
 
 def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fills():
-    from types import SimpleNamespace as NS
-
     import numpy as np
 
     from interp_runner.payload import DECODE, PREFILL
@@ -203,14 +209,10 @@ def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fi
 
     def wave(keys):
         """One prefill step of a request per key; returns each request's prefill slot."""
-        requests = {f"{k}-{id(keys)}": NS(sampling_params=NS(extra_args={"interp": {
-            "rid": k, "steer": [[site, PREFILL | DECODE, k, 1.0]]}}), num_prompt_tokens=1) for k in keys}
-        rids = list(requests)
-        runner = NS(requests=requests, input_batch=NS(num_reqs=len(rids), req_ids=rids,
-                                                      num_computed_tokens_cpu=np.zeros(len(rids), np.int32)),
-                    query_start_loc=NS(np=np.arange(len(rids) + 1, dtype=np.int32)))
-        state.before_forward(runner, len(rids))
-        slots = state.row_slot.numpy()[: len(rids)].copy()
+        requests = {f"{k}-{id(keys)}": _request({"rid": k, "steer": [[site, PREFILL | DECODE, k, 1.0]]}, 1)
+                    for k in keys}
+        state.before_forward(_runner(requests, [(rid, 0, 1) for rid in requests]), len(keys))
+        slots = state.row_slot.numpy()[: len(keys)].copy()
         for row, key in enumerate(keys):
             np.testing.assert_array_equal(state.table[0, slots[row]].numpy(), vectors[key], err_msg=key)
         state.after_forward()
@@ -233,8 +235,6 @@ def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fi
 def test_overlapping_capture_specs_copy_each_row_once_even_in_a_step_of_one_request():
     """Two capture specs of one request naming the same site and position (``last_prompt`` and ``all_prompt``,
     say) in a step that holds only that request's prompt: every position comes back with its own row's value."""
-    from types import SimpleNamespace as NS
-
     import numpy as np
     import torch
 
@@ -244,10 +244,7 @@ def test_overlapping_capture_specs_copy_each_row_once_even_in_a_step_of_one_requ
     state = _planner(hidden, (site,))
     payload = {"rid": "A", "capture": [[[site], pack_positions([prompt_len - 1]), False],
                                        [[site], pack_positions(range(prompt_len)), False]]}
-    runner = NS(requests={"A": NS(sampling_params=NS(extra_args={"interp": payload}), num_prompt_tokens=prompt_len)},
-                input_batch=NS(num_reqs=1, req_ids=["A"], num_computed_tokens_cpu=np.zeros(1, np.int32)),
-                query_start_loc=NS(np=np.array([0, prompt_len], np.int32)))
-    state.before_forward(runner, prompt_len)
+    state.before_forward(_runner({"A": _request(payload, prompt_len)}, [("A", 0, prompt_len)]), prompt_len)
     x = torch.arange(prompt_len * hidden, dtype=torch.float32).reshape(prompt_len, hidden) + 1
     extra = torch.full_like(x, 0.5)
     state.apply_site(x, extra, site)

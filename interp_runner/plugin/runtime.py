@@ -276,7 +276,7 @@ class InterpState:
             rows = np.array([self._free_bank.pop() for _ in new], dtype=np.int64)
             values = np.frombuffer(b"".join(sources[k] for k in new), dtype=np.float32).reshape(len(new), -1)
             self._fold(b"source", rows, values)
-            self.bank[self._upload(rows)] = self._upload(values).to(self.dtype)  # one copy, no wait
+            self.bank[self.staging.upload(rows)] = self.staging.upload(values).to(self.dtype)  # one copy, no wait
             self.bank_rows.update(zip(new, rows.tolist()))
         self._released.difference_update(sources)
         return len(self.bank_rows)
@@ -324,7 +324,7 @@ class InterpState:
                     np.add.at(sums[phase_index], rows, terms[chosen])
             # the values follow from the key and the registered (folded) vectors
             self._fold(b"slots", np.array(users[:2]), np.frombuffer(repr(key).encode(), dtype=np.uint8))
-            values = self._upload(sums).to(self.dtype)  # through the ring: no wait for the GPU
+            values = self.staging.upload(sums).to(self.dtype)  # through the ring: no wait for the GPU
             self.table[:, users[0]].copy_(values[0])
             self.table[:, users[1]].copy_(values[1])
             self._slot_users[key] = users
@@ -517,7 +517,7 @@ class InterpState:
                 rows = np.concatenate(parts)
                 key = rows.tobytes()
                 if key not in device_rows:
-                    device_rows[key] = self._upload(rows)
+                    device_rows[key] = self.staging.upload(rows)
                 self.capture_rows[site] = device_rows[key]
             self._capture_meta = meta  # read in the order the sites' gathers append (see after_forward)
             self._fold(b"capture-direct", *(r for parts in rows_by_site.values() for r in parts))
@@ -538,9 +538,9 @@ class InterpState:
         for site, rid, chosen, _ in meta:
             self._capture_meta.append((site, rid, chosen, first_row[site]))
             first_row[site] += len(chosen)
-        flat = self._upload(np.concatenate(flat_index))
-        self.cap_src.view(-1)[flat] = self._upload(np.concatenate(src))
-        self.cap_dest.view(-1)[flat] = self._upload(np.concatenate(dest))
+        flat = self.staging.upload(np.concatenate(flat_index))
+        self.cap_src.view(-1)[flat] = self.staging.upload(np.concatenate(src))
+        self.cap_dest.view(-1)[flat] = self.staging.upload(np.concatenate(dest))
         self.staging.upload(counts, into=self.cap_count)
         self._cap_count_dirty = True
         self._capture_total = offset
@@ -568,15 +568,12 @@ class InterpState:
             self._patched_flat = None
         if not flats:
             return
-        flat = self._upload(np.concatenate(flats))
-        self.patch_idx.view(-1)[flat] = self._upload(np.concatenate(banks))
-        self.patch_coef.view(-1, 2)[flat] = self._upload(np.concatenate(coefs))
+        flat = self.staging.upload(np.concatenate(flats))
+        self.patch_idx.view(-1)[flat] = self.staging.upload(np.concatenate(banks))
+        self.patch_coef.view(-1, 2)[flat] = self.staging.upload(np.concatenate(coefs))
         mask[flat] = True
         self._patched_flat = flat
         self._fold(b"patch", *flats, *banks, *coefs)
-
-    def _upload(self, array: np.ndarray) -> torch.Tensor:
-        return self.staging.upload(array)
 
     def record_scores(self, logits: torch.Tensor) -> None:
         """Log-probabilities of each scored request's token ids (any rank), and its top token. Computed on the
@@ -584,14 +581,14 @@ class InterpState:
         pending, self.pending_scores = self.pending_scores, []
         if not self.is_result_rank:
             return
-        rows = self._upload(np.array([i for i, _, _ in pending], dtype=np.int64))
+        rows = self.staging.upload(np.array([i for i, _, _ in pending], dtype=np.int64))
         logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
         top_lp, top_id = logprobs.max(dim=-1)
         width = max(len(ids) for _, _, ids in pending)
         ids = np.zeros((len(pending), width), dtype=np.int64)
         for j, (_, _, tokens) in enumerate(pending):
             ids[j, : len(tokens)] = tokens
-        chosen = logprobs.gather(1, self._upload(ids))
+        chosen = logprobs.gather(1, self.staging.upload(ids))
         self._keep("score", (chosen, top_lp, top_id), [(rid, tokens) for _, rid, tokens in pending])
 
     def _keep(self, kind: str, tensors: tuple, meta: list) -> None:
