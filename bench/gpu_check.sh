@@ -14,8 +14,8 @@
 # GPU_CHECK_BUDGET_S (default 540) bounds the whole run: each stage gets what is left, and a stage is skipped
 # when under 30 s are left. Under a 10-minute limit per command, split the stages over calls, e.g.
 # `setup tests kernels bench-trace`, then `setup bench-small bench-store bench-8b`. Environment knobs:
-# BENCH_ENGINES, BENCH_8B_ENGINES, BENCH_CONDITIONS, BENCH_8B_CONDITIONS, BENCH_REPEATS, TRACE_REPEATS, STORE_DIR,
-# TEST_FILES.
+# BENCH_ENGINES, BENCH_8B_ENGINES, BENCH_CONDITIONS, BENCH_8B_CONDITIONS, BENCH_REPEATS, TRACE_REPEATS, TRACE_ARGS
+# (more bench/trace_grid.py options), TRACE_JSON (its result file's name), STORE_DIR, TEST_FILES.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -55,7 +55,7 @@ main() {
       bench-v2) stage_bench "$budget" smollm2_135m stock-default _v2 || rc=$? ;;
       kernels) timeout -k 10 $(( budget - 5 )) $PY bench/kernels.py --json "$OUT/kernels.json" || rc=$? ;;
       bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --repeats "${TRACE_REPEATS:-5}" \
-        --json "$OUT/trace_grid.json" || rc=$? ;;
+        ${TRACE_ARGS:-} --json "$OUT/${TRACE_JSON:-trace_grid}.json" || rc=$? ;;
       bench-store) timeout -k 10 $(( budget - 5 )) $PY bench/store_bandwidth.py --dir "${STORE_DIR:-/tmp/interp-store-bench}" \
         --json "$OUT/store_bandwidth.json" || rc=$? ;;
       *) echo "unknown stage $stage"; rc=2 ;;

@@ -193,6 +193,92 @@ def ours_grid(plan, results, num_layers: int, n: int):
     return grid, float(np.log(ds["clean_prob"].values[0])), float(ds["corrupt_logprob_samples"].values[0, 0])
 
 
+HOST_PARTS = (  # (file, function, what) for the host profile; cumulative seconds unless noted
+    ("engine.py", "_run_bulk", "our submit/read loop (self time)"),
+    ("core.py", "preprocess_add_request", "vLLM: request objects, block hashes"),
+    ("scheduler.py", "schedule", "vLLM: scheduler"),
+    ("scheduler.py", "update_from_output", "vLLM: scheduler output processing"),
+    ("gpu_model_runner.py", "_update_states", "vLLM runner: batch state"),
+    ("gpu_model_runner.py", "_prepare_inputs", "vLLM runner: inputs"),
+    ("gpu_model_runner.py", "_model_forward", "forward (launches, our planner included)"),
+    ("runtime.py", "before_forward", "our planner"),
+    ("runtime.py", "record_scores", "our scoring (launches)"),
+    ("gpu_model_runner.py", "sample_tokens", "vLLM: sampling"),
+    ("gpu_model_runner.py", "get_output", "host waiting for the GPU"),
+    ("gpu_model_runner.py", "synchronize_input_prep", "host waiting for the previous step's inputs"),
+    ("engine.py", "_collect", "our result collection"),
+    ("pipeline.py", "execute", "whole run"),
+)
+
+
+def profile_once(engine, clock: StageClock, plan, on_gpu: bool) -> dict:
+    """Where one run's time goes: GPU kernel time against the wall time (kernel-only tracing, which adds little
+    host work), and the host's split over vLLM's and our functions (cProfile: slower, for the proportions)."""
+    import cProfile
+    import pstats
+
+    out = {}
+    if on_gpu:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall, _, _ = ours_once(engine, clock, plan)
+            torch.cuda.synchronize()
+        spans, by_name = [], {}
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            start, end = e.time_range.start, e.time_range.end
+            spans.append((start, end))
+            by_name[e.name] = by_name.get(e.name, 0.0) + (end - start) / 1e6
+        spans.sort()
+        busy, cur_start, cur_end = 0.0, None, None
+        for start, end in spans:
+            if cur_end is None or start > cur_end:
+                if cur_end is not None:
+                    busy += cur_end - cur_start
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        if cur_end is not None:
+            busy += cur_end - cur_start
+        kernel_s = sum(by_name.values())
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+        out["gpu"] = {"wall_s": wall, "kernels": len(spans), "kernel_s": kernel_s, "busy_s": busy / 1e6,
+                      "busy_fraction": busy / 1e6 / wall, "top_kernels": [(n[:120], s) for n, s in top]}
+    pr = cProfile.Profile()
+    pr.enable()
+    wall, _, _ = ours_once(engine, clock, plan)
+    pr.disable()
+    stats = pstats.Stats(pr).stats
+    host = {}
+    for (filename, _, func), (_, ncalls, tottime, cumtime, _) in stats.items():
+        for file, name, what in HOST_PARTS:
+            if func == name and filename.endswith("/" + file):
+                got = host.setdefault(what, {"s": 0.0, "calls": 0})
+                got["s"] += tottime if "self time" in what else cumtime
+                got["calls"] += ncalls
+    out["host"] = {"wall_s_under_cprofile": wall, "parts": host}
+    return out
+
+
+def profile_table(n: int, profile: dict) -> str:
+    lines = []
+    gpu = profile.get("gpu")
+    if gpu:
+        lines.append(f"{n} tokens: wall {gpu['wall_s']:.3f} s, GPU busy {gpu['busy_s']:.3f} s "
+                     f"({100 * gpu['busy_fraction']:.0f}%), {gpu['kernels']} kernels")
+        lines += [f"    {s * 1e3:8.1f} ms  {name}" for name, s in gpu["top_kernels"][:8]]
+    host = profile["host"]
+    lines.append(f"{n} tokens: host profile (cProfile, wall {host['wall_s_under_cprofile']:.3f} s)")
+    for _, _, what in HOST_PARTS:
+        part = host["parts"].get(what)
+        if part:
+            lines.append(f"    {part['s'] * 1e3:8.1f} ms  {what} ({part['calls']} calls)")
+    return "\n".join(lines)
+
+
 # -- HF baseline ----------------------------------------------------------------------------------------
 
 
@@ -314,6 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="default: 16 on GPU, the engine's on CPU")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="one more run per length under the profilers")
     ap.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "interp-bench"))
     ap.add_argument("--json", default="", help="write all numbers here")
     args = ap.parse_args(argv)
@@ -434,6 +521,9 @@ def main(argv=None) -> int:
                 abs_diff_clean_logprob=abs(clean_lp - hf_clean), abs_diff_corrupt_logprob=abs(corrupt_lp - hf_corrupt),
             )
             del hf
+        if args.profile:
+            row["profile"] = profile_once(engine, clock, plan, on_gpu)
+            print(profile_table(n, row["profile"]), flush=True)
         if row["ours_missing_cells"]:
             print(f"  warning: {row['ours_missing_cells']} cells have no score", flush=True)
         result["lengths"].append(row)
@@ -443,6 +533,9 @@ def main(argv=None) -> int:
     print(f"device {result['device']}; {args.dtype}; cells = layers x tokens (kind resid, 1 noise sample); "
           f"medians of {args.repeats}; ours = execute() of the whole plan, stage1 = its cell stage; "
           f"max|dlp| = max |restored answer logprob, ours - HF| (informative)")
+    for r in result["lengths"]:
+        if "profile" in r:
+            print(profile_table(r["tokens"], r["profile"]))
     print(table(result))
     return 0
 
