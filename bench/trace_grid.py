@@ -397,7 +397,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: torch.compile + CUDA graphs)")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=1024)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=65536,
+                    help="as causal_trace_full sets it (0: vLLM's default)")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="default: 16 on GPU, the engine's on CPU")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more run per length under the profilers")

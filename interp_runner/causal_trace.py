@@ -20,7 +20,7 @@ import numpy as np
 
 from .compiler import (
     EngineRequest, Plan, Prompt, answer_token, bank_rows_for, check_length, engine_spec_of, make_request,
-    parse_layers, requests_hash,
+    mark_private_kv, parse_layers, requests_hash,
 )
 from .config.errors import ConfigError
 from .config.schema import RunConfig, resolve_path
@@ -199,6 +199,7 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
                             meta={"fact": f, "part": "cell", "kind": kind, "layer": layer, "token": token,
                                   "sample": sample}))
     bank = bank_rows_for(cfg, len(sources) + len(refs))
+    mark_private_kv(requests)
     return Plan(
         requests=tuple(requests), vectors={}, engine_spec=engine_spec_of(requests, bank), captures=(),
         requests_sha256=requests_hash(requests), sources=sources, refs=refs,

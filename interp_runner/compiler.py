@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -253,6 +254,21 @@ def kv_ranges(steer: list, patch: list, prompt_len: int) -> list:
     return ranges
 
 
+def mark_private_kv(requests: Sequence[EngineRequest]) -> None:
+    """Set each request's ``kv_private``: the first position from which its KV hashes chain in interventions no
+    other request of the plan has (a causal-trace cell's restore under its own noise sample, say). Blocks from
+    there on cannot be shared within the plan; the plugin neither hashes nor caches them."""
+    def prefixes(r):  # the interventions a block hash has chained in by each range's start
+        ranges = sorted(tuple(x) for x in r.kv_ranges)
+        return [(ranges[k][0], tuple(ranges[: k + 1])) for k in range(len(ranges))]
+
+    counts = Counter(chain for r in requests for _, chain in prefixes(r))
+    for r in requests:
+        unique = [start for start, chain in prefixes(r) if counts[chain] == 1]
+        if unique:
+            r.payload["kv_private"] = min(unique)
+
+
 @lru_cache(maxsize=1 << 16)
 def _entries_digest(entries: tuple) -> str:
     """``digest`` of one position's patch entries (JSON makes tuples lists): the noise entries of a causal trace
@@ -372,6 +388,7 @@ def compile_plan(
         requests.append(make_request(rid, prompt, s, steer[prompt.index], (), copy.entries, stage=1,
                                      role=copy.role, meta={"patch": copy.spec, "source": copy.source}))
     bank = bank_rows_for(cfg, len(patching.sources) + len(patching.refs))
+    mark_private_kv(requests)
     return Plan(
         requests=tuple(requests),
         vectors=vectors,

@@ -110,6 +110,8 @@ class VllmEngine:
         self._serial = 0
         self.checksums: list[dict] = []
         self.llm = LLM(**kwargs)
+        # the worker runs in this process (results come back as they are, not packed)
+        self.in_process = cfg.tensor_parallel_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self.status = self._check_plugin()
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
@@ -256,8 +258,8 @@ class VllmEngine:
     def _collect(self, rids: list[str]) -> dict:
         """Per-request results from the result rank, after checking that every rank applied the same."""
         collected = {}
-        for per_rank in self.llm.collective_rpc("interp_collect", args=(rids,)):
-            collected.update(unpack_results(per_rank))
+        for per_rank in self.llm.collective_rpc("interp_collect", args=(rids, not self.in_process)):
+            collected.update(per_rank if self.in_process else unpack_results(per_rank))
         self.check_ranks()
         return collected
 

@@ -11,13 +11,14 @@ Request payload (msgpack-able)::
                "src": [source_key, ...],                #   value <- a * value + b * source
                "a": float32 bytes, "b": float32 bytes},
      "score": int32 bytes,                              # token ids scored after the last prompt token
-     "kv": [[start, end, digest], ...]}                 # what changes the KV of positions [start, end)
+     "kv": [[start, end, digest], ...],                 # what changes the KV of positions [start, end)
+     "kv_private": int}                                 # KV from here on is this request's alone
 
 Steering vectors are registered on the workers once per engine, keyed by the sha256 of their float32 bytes;
 patch sources likewise, in a bank of rows that stays on the workers while requests use them. Before binding, a
 source key may be a reference ``ref:<run digest>:<site>:<position>`` to a value an earlier request captures.
 ``kv`` ranges (end -1: open) feed the prefix-cache block hashes, so KV is shared only between requests whose
-interventions up to the end of a block are the same.
+interventions up to the end of a block are the same; blocks reaching past ``kv_private`` are never shared.
 """
 
 from __future__ import annotations

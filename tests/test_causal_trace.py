@@ -64,6 +64,13 @@ def test_the_grid_compiles_into_one_batched_stage():
     noise_ranges = [r for r in cell.kv_ranges if r[0] in subject]
     same_sample = next(r for r in cells if r.meta["fact"] == 0 and r.meta["sample"] == 1 and r.meta["token"] == last)
     assert [r for r in same_sample.kv_ranges if r[0] in subject] == noise_ranges
+    # a cell's KV is its own from its restored token on (or from the noise after it, which is its sample's):
+    # those blocks are never hashed or cached; the corrupted runs share theirs
+    for r in cells:
+        token, subject = r.meta["token"], layout.facts[r.meta["fact"]].subject_positions
+        after = min([p for p in subject if p > token], default=token)
+        assert r.payload["kv_private"] == (token if token in subject or token > subject[-1] else after), r.rid
+    assert all("kv_private" not in (r.payload or {}) for r in plan.requests if r.meta.get("part") != "cell")
 
 
 def test_noise_scale_is_k_times_the_subject_embedding_std(smollm2_path):

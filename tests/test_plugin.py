@@ -252,3 +252,34 @@ def test_overlapping_capture_specs_copy_each_row_once_even_in_a_step_of_one_requ
     positions, values = state.collect(["A"])["A"]["captures"][site]
     assert positions.tolist() == list(range(prompt_len))
     np.testing.assert_array_equal(values, (x + extra).numpy())
+
+
+def test_private_blocks_get_placeholder_hashes_and_stay_out_of_the_prefix_cache():
+    from interp_runner.plugin import prefix_cache as pc
+
+    def request(rid, payload):
+        return NS(request_id=rid, sampling_params=NS(extra_args={"interp": payload}))
+
+    vllm_keys = pc._with_interventions(lambda req, start, end, mm: (None, mm))
+    cell = request("c-1", {"kv": [[1, 2, "noise"], [40, 41, "restore"]], "kv_private": 40})
+    plain = request("p-1", {"kv": [[1, 2, "noise"]]})
+    # blocks of 16: before the private position, the interventions' digests as usual; from its block on, a
+    # placeholder naming the request and block
+    assert vllm_keys(cell, 0, 16, 0)[0] == ("interp", "noise") == vllm_keys(plain, 0, 16, 0)[0]
+    assert vllm_keys(cell, 16, 32, 0)[0] is None
+    assert vllm_keys(cell, 32, 48, 0)[0] == (pc.PRIVATE, "c-1", 32)
+    assert vllm_keys(plain, 32, 48, 0)[0] is None
+    contents = pc._private_placeholder(lambda fn, parent, tokens, keys: b"hash of contents")
+    assert contents(None, None, [1] * 16, ("interp", "noise")) == b"hash of contents"
+    placeholders = {contents(None, b"x", [1] * 16, vllm_keys(r, 48, 64, 0)[0]) for r in (cell, request("c-2", {
+        "kv": [[40, 41, "restore"]], "kv_private": 40}))}
+    assert len(placeholders) == 2 and all(p.startswith(pc.PRIVATE.encode()) for p in placeholders)
+
+    masks = []
+    cache = pc._without_private_blocks(lambda self, req, blocks, cached, full, size, group, mask: masks.append(mask))
+    pool = NS(hash_block_size=16)
+    cache(pool, cell, [], 0, 4, 16, 0)  # blocks 0-1 shareable, 2-3 (from position 40 on) private
+    cache(pool, cell, [], 3, 5, 16, 0)
+    cache(pool, plain, [], 0, 4, 16, 0)
+    cache(pool, cell, [], 0, 4, 16, 0, [True, False, True, True])
+    assert masks == [[True, True, False, False], [False, False], None, [True, False, False, False]]

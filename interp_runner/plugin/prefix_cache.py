@@ -6,24 +6,39 @@ digests of the ranges it overlaps as extra keys, on top of vLLM's own (LoRA, mul
 block hashes chain, a block is shared only between requests with the same tokens and the same interventions up
 to its end: blocks entirely before the first intervened position stay shared with unpatched requests, and
 nothing computed under an intervention is served to a request without it (or with another).
+
+Blocks reaching past the payload's ``kv_private`` position chain in interventions no other request of the plan
+has (a causal-trace cell's restore): they get a placeholder hash unique to the request and block instead of a
+hash of their contents, and are left out of the prefix cache. That is most of a trace's blocks, whose hashing
+and caching would otherwise cost more host time than anything else per request.
 """
 
 from __future__ import annotations
 
 from interp_runner.payload import PAYLOAD_KEY
 
+PRIVATE = "interp-private"
 
-def _kv_ranges(request) -> list | None:
-    params = getattr(request, "sampling_params", None)
-    extra = params.extra_args if params is not None else None
-    payload = extra.get(PAYLOAD_KEY) if extra else None
-    return payload.get("kv") if payload else None
+
+def _interventions(request) -> tuple[tuple, int]:
+    """(kv ranges, first private position or -1) of a request, read from its payload once."""
+    cached = request.__dict__.get("_interp_kv")
+    if cached is None:
+        params = getattr(request, "sampling_params", None)
+        extra = params.extra_args if params is not None else None
+        payload = (extra.get(PAYLOAD_KEY) if extra else None) or {}
+        private = payload.get("kv_private")
+        cached = (tuple(payload.get("kv") or ()), -1 if private is None else int(private))
+        request._interp_kv = cached
+    return cached
 
 
 def _with_interventions(original):
     def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
+        ranges, private = _interventions(request)
+        if 0 <= private < end_token_idx:  # private from here on: a placeholder, not a hash of the contents
+            return (PRIVATE, request.request_id, start_token_idx), start_mm_idx
         keys, next_mm_idx = original(request, start_token_idx, end_token_idx, start_mm_idx)
-        ranges = _kv_ranges(request)
         if not ranges:
             return keys, next_mm_idx
         ours = tuple(d for s, e, d in ranges if s < end_token_idx and (e < 0 or e > start_token_idx))
@@ -35,6 +50,34 @@ def _with_interventions(original):
     return generate_block_hash_extra_keys
 
 
+def _private_placeholder(original):
+    def hash_block_tokens(hash_function, parent_block_hash, curr_block_token_ids, extra_keys=None):
+        if extra_keys and extra_keys[0] == PRIVATE:  # (PRIVATE, request id, first token): never a real hash
+            return f"{PRIVATE}:{extra_keys[1]}:{extra_keys[2]}".encode()
+        return original(hash_function, parent_block_hash, curr_block_token_ids, extra_keys)
+
+    hash_block_tokens._interp_wrapped = True
+    return hash_block_tokens
+
+
+def _without_private_blocks(original):
+    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                          kv_cache_group_id, block_mask=None):
+        _, private = _interventions(request)
+        # placeholders are per hash block: mask only where cache blocks are hash blocks (else they are cached,
+        # harmlessly: no other request has their hashes)
+        if private >= 0 and block_size == self.hash_block_size and num_full_blocks > num_cached_blocks:
+            first = private // block_size
+            if first < num_full_blocks:
+                mask = [num_cached_blocks + i < first for i in range(num_full_blocks - num_cached_blocks)]
+                block_mask = mask if block_mask is None else [a and b for a, b in zip(mask, block_mask)]
+        return original(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
+                        block_mask)
+
+    cache_full_blocks._interp_wrapped = True
+    return cache_full_blocks
+
+
 def instrument_block_hashing() -> None:
     from vllm.v1.core import block_pool, kv_cache_utils
 
@@ -44,3 +87,5 @@ def instrument_block_hashing() -> None:
     wrapped = _with_interventions(original)
     kv_cache_utils.generate_block_hash_extra_keys = wrapped  # the request block hasher
     block_pool.generate_block_hash_extra_keys = wrapped  # cache events
+    kv_cache_utils.hash_block_tokens = _private_placeholder(kv_cache_utils.hash_block_tokens)
+    block_pool.BlockPool.cache_full_blocks = _without_private_blocks(block_pool.BlockPool.cache_full_blocks)

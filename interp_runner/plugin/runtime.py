@@ -763,6 +763,11 @@ class InterpWorkerExtension:
     def interp_checksum(self) -> dict:
         return self._interp().checksum()
 
-    def interp_collect(self, rids: list[str]) -> dict:
+    def interp_collect(self, rids: list[str], packed: bool = True) -> dict:
+        """Results of finished requests; ``packed`` for callers in another process (arrays do not survive
+        ``collective_rpc`` from worker processes as arrays)."""
         state = self._interp()
-        return pack_results(state.collect(rids)) if state.is_result_rank else {}
+        if not state.is_result_rank:
+            return {}
+        results = state.collect(rids)
+        return pack_results(results) if packed else results
