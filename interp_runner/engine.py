@@ -243,13 +243,17 @@ class VllmEngine:
             raise
         collected = self._collect([r.rid for r in requests])
         decode = self.llm.get_tokenizer().decode
+        texts: dict[tuple, str] = {}  # one token each: few distinct ones
         results = {}
         for internal, request in pending.items():
             ids = tokens.get(internal, [])
+            text = texts.get(tuple(ids))
+            if text is None:
+                text = texts[tuple(ids)] = decode(ids, skip_special_tokens=True)
             worker = collected.get(request.rid, {})
             results[request.rid] = RequestResult(
                 rid=request.rid, prompt_index=request.prompt.index, token_ids=ids,
-                text=decode(ids, skip_special_tokens=True), logprobs=logprobs.get(internal, []),
+                text=text, logprobs=logprobs.get(internal, []),
                 captures=worker.get("captures", {}), score=worker.get("score"), void=worker.get("void"),
                 cached_tokens=cached.get(internal, 0),
             )

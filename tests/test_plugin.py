@@ -283,3 +283,43 @@ def test_private_blocks_get_placeholder_hashes_and_stay_out_of_the_prefix_cache(
     cache(pool, plain, [], 0, 4, 16, 0)
     cache(pool, cell, [], 0, 4, 16, 0, [True, False, True, True])
     assert masks == [[True, True, False, False], [False, False], None, [True, False, False, False]]
+
+
+def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_position_wins():
+    from unittest import mock
+
+    import numpy as np
+    import torch
+    import vllm.distributed
+
+    from interp_runner.payload import pack_positions
+    from interp_runner.plugin import runtime
+
+    cfg = NS(model_config=NS(hf_text_config=NS(hidden_size=4), dtype=torch.float32),
+             scheduler_config=NS(max_num_batched_tokens=64, max_num_seqs=8))
+    with mock.patch.object(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 0):
+        state = runtime.InterpState(cfg, {"plugin": "test", "steer_sites": [], "capture_sites": [],
+                                          "patch_sites": [4, 9], "bank_rows": 8})
+    state.register_sources({k: np.full(4, i, np.float32).tobytes() for i, k in enumerate(("s1", "s2", "s3"))})
+    bank = state.bank_rows
+
+    def patch(entries):  # (site, position, source, a, b)
+        sites, positions, keys, a, b = zip(*entries)
+        return {"patch": {"site": pack_positions(sites), "pos": pack_positions(positions), "src": list(keys),
+                          "a": np.array(a, np.float32).tobytes(), "b": np.array(b, np.float32).tobytes()}}
+
+    first = _request({"rid": "one", **patch([(9, 5, "s1", 0.0, 1.0), (4, 2, "s2", 0.5, 0.5),
+                                            (9, 5, "s3", 0.25, 0.75)])}, 8)
+    other = _request({"rid": "two", **patch([(4, 0, "s1", 0.0, 1.0)])}, 3)
+    requests = {"a": first, "b": other}
+
+    def applied():
+        flat = torch.nonzero(state.patch_mask.view(-1)).flatten().tolist()
+        return [(f // state.max_rows, f % state.max_rows, int(state.patch_idx.view(-1)[f]),
+                 state.patch_coef.view(-1, 2)[f].tolist()) for f in flat]
+
+    # step 1: "b" whole (rows 0-2), then "a" positions 0-3 (rows 3-6); step 2: "a" positions 4-7 (rows 0-3)
+    state.before_forward(_runner(requests, [("b", 0, 3), ("a", 0, 4)]), 7)
+    assert applied() == [(0, 0, bank["s1"], [0.0, 1.0]), (0, 5, bank["s2"], [0.5, 0.5])]
+    state.before_forward(_runner(requests, [("a", 4, 4)]), 4)
+    assert applied() == [(1, 1, bank["s3"], [0.25, 0.75])]  # site 9 (index 1), position 5: the later entry

@@ -113,8 +113,9 @@ class RequestPlan:
     decode_slot: int = 0
     # (sites, captured prompt positions, captures generated tokens, lowest and highest prompt position)
     capture_groups: list[tuple[tuple[int, ...], np.ndarray, bool, int, int]] = field(default_factory=list)
-    # patch entries sorted by position: (position, patch site index, bank row, a, b)
+    # patch entries sorted by position: (positions, flat [patch site, position] index, bank rows, (a, b) rows)
     patch: tuple[np.ndarray, ...] | None = None
+    patch_span: tuple[int, int] = (0, -1)  # lowest and highest patched position
     bank_keys: tuple[str, ...] = ()
     score_ids: np.ndarray | None = None
     void: str | None = None
@@ -351,7 +352,8 @@ class InterpState:
         plan = RequestPlan(rid=payload["rid"], prompt_len=request.num_prompt_tokens)
         if payload.get("steer"):
             plan.steer_key, plan.prefill_slot, plan.decode_slot = self._acquire_slots(payload["steer"])
-        plan.capture_groups = capture_groups(payload.get("capture", ()))
+        if payload.get("capture"):
+            plan.capture_groups = capture_groups(payload["capture"])
         if payload.get("score") is not None:
             plan.score_ids = unpack_positions(payload["score"]).astype(np.int64)
         if payload.get("patch"):
@@ -360,28 +362,35 @@ class InterpState:
 
     def _admit_patch(self, plan: RequestPlan, patch: dict) -> None:
         keys = patch["src"]
-        missing = sorted({k for k in keys if k not in self.bank_rows})
+        rows = self.bank_rows
+        missing = sorted({k for k in keys if k not in rows})
         if missing:  # never run it as if patched: it is reported void
             plan.void = f"{len(missing)} patch source(s) not on the worker, e.g. {missing[0]}"
             self.voided[plan.rid] = plan.void
             return
-        sites = unpack_positions(patch["site"]).astype(np.int64)
-        positions = unpack_positions(patch["pos"]).astype(np.int64)
+        # a few entries per request: plain Python lists, then one array each
+        sites = memoryview(patch["site"]).cast("i").tolist()
+        positions = memoryview(patch["pos"]).cast("i").tolist()
+        lookup = self.patch_index  # a site the engine lacks raises KeyError
+        base = [lookup[site] * self.max_rows + position for site, position in zip(sites, positions)]
         entries = (
-            positions,
-            np.array([self.patch_index[s] for s in sites.tolist()], dtype=np.int64),
-            np.array([self.bank_rows[k] for k in keys], dtype=np.int64),
-            np.frombuffer(patch["a"], dtype=np.float32),
-            np.frombuffer(patch["b"], dtype=np.float32),
+            np.array(positions, dtype=np.int64),
+            np.array(base, dtype=np.int64),
+            np.array([rows[k] for k in keys], dtype=np.int64),
+            np.array([memoryview(patch["a"]).cast("f").tolist(), memoryview(patch["b"]).cast("f").tolist()],
+                     dtype=np.float32).T.copy(),
         )
-        by_position = positions * (1 << 32) + sites
-        if len(positions) > 1 and not (by_position[1:] > by_position[:-1]).all():
+        ordered = list(zip(positions, sites))
+        if any(x >= y for x, y in zip(ordered, ordered[1:])):
             # one entry per (site, position), a later entry winning; sorted by position
-            _, last = np.unique((sites * (1 << 32) + positions)[::-1], return_index=True)
+            site_arr, pos_arr = np.array(sites, dtype=np.int64), entries[0]
+            _, last = np.unique((site_arr * (1 << 32) + pos_arr)[::-1], return_index=True)
             keep = len(positions) - 1 - last
-            order = keep[np.argsort(positions[keep], kind="stable")]
+            order = keep[np.argsort(pos_arr[keep], kind="stable")]
             entries = tuple(e[order] for e in entries)
+        # the flat index into [patch site, row] is base + (the request's first row in a step - its first position)
         plan.patch = entries
+        plan.patch_span = (int(entries[0][0]), int(entries[0][-1]))
         plan.bank_keys = tuple(set(keys))
         for key in plan.bank_keys:
             self._bank_users[key] = self._bank_users.get(key, 0) + 1
@@ -472,7 +481,7 @@ class InterpState:
                 continue
             if done < plan.prompt_len:
                 return False
-            if plan.patch is not None and len(plan.patch[0]) and plan.patch[0][-1] >= done:
+            if plan.patch is not None and plan.patch_span[1] >= done:
                 return False
             for _, _, generated, _, hi in plan.capture_groups:
                 if generated or hi >= done:
@@ -549,31 +558,39 @@ class InterpState:
 
     def _plan_patches(self, plans, starts, computed) -> None:
         """Point this step's patched rows at their bank rows; rows patched last step are unmasked first."""
-        flats, banks, coefs = [], [], []
-        for i, plan in enumerate(plans):
-            if plan is None or plan.patch is None:
-                continue
-            positions, site_index, bank_row, a, b = plan.patch
-            first, count = int(computed[i]), int(starts[i + 1] - starts[i])
-            lo, hi = np.searchsorted(positions, (first, first + count))
-            if lo == hi:
-                continue
-            rows = positions[lo:hi] - first + starts[i]
-            flats.append(site_index[lo:hi] * self.max_rows + rows)
-            banks.append(bank_row[lo:hi])
-            coefs.append(np.stack([a[lo:hi], b[lo:hi]], axis=1))
+        bases, banks, coefs, shifts, counts = [], [], [], [], []
+        if any(p is not None and p.patch is not None for p in plans):
+            starts, computed = starts.tolist(), computed.tolist()
+            for i, plan in enumerate(plans):
+                if plan is None or plan.patch is None:
+                    continue
+                positions, base, bank, coef = plan.patch
+                first, (lo, hi) = computed[i], plan.patch_span
+                end = first + starts[i + 1] - starts[i]
+                if hi < first or lo >= end:
+                    continue
+                if first > lo or end <= hi:  # part of the prompt in this step
+                    a, b = np.searchsorted(positions, (first, end))
+                    base, bank, coef = base[a:b], bank[a:b], coef[a:b]
+                bases.append(base)
+                banks.append(bank)
+                coefs.append(coef)
+                shifts.append(starts[i] - first)
+                counts.append(len(base))
         mask = self.patch_mask.view(-1)
         if self._patched_flat is not None:
             mask[self._patched_flat] = False
             self._patched_flat = None
-        if not flats:
+        if not bases:
             return
-        flat = self.staging.upload(np.concatenate(flats))
-        self.patch_idx.view(-1)[flat] = self.staging.upload(np.concatenate(banks))
-        self.patch_coef.view(-1, 2)[flat] = self.staging.upload(np.concatenate(coefs))
-        mask[flat] = True
-        self._patched_flat = flat
-        self._fold(b"patch", *flats, *banks, *coefs)
+        flat = np.concatenate(bases) + np.repeat(np.array(shifts, dtype=np.int64), counts)
+        bank, coef = np.concatenate(banks), np.concatenate(coefs)
+        device_flat = self.staging.upload(flat)
+        self.patch_idx.view(-1)[device_flat] = self.staging.upload(bank)
+        self.patch_coef.view(-1, 2)[device_flat] = self.staging.upload(coef)
+        mask[device_flat] = True
+        self._patched_flat = device_flat
+        self._fold(b"patch", flat, bank, coef)
 
     def record_scores(self, logits: torch.Tensor) -> None:
         """Log-probabilities of each scored request's token ids (any rank), and its top token. Computed on the
