@@ -32,6 +32,7 @@ compares the ranks' digests.
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -113,8 +114,8 @@ class RequestPlan:
     decode_slot: int = 0
     # (sites, captured prompt positions, captures generated tokens, lowest and highest prompt position)
     capture_groups: list[tuple[tuple[int, ...], np.ndarray, bool, int, int]] = field(default_factory=list)
-    # patch entries sorted by position: (positions, flat [patch site, position] index, bank rows, (a, b) rows)
-    patch: tuple[np.ndarray, ...] | None = None
+    # patch entries sorted by position, as lists: (positions, flat [patch site, position] index, bank rows, a, b)
+    patch: tuple[list, ...] | None = None
     patch_span: tuple[int, int] = (0, -1)  # lowest and highest patched position
     bank_keys: tuple[str, ...] = ()
     score_ids: np.ndarray | None = None
@@ -368,29 +369,23 @@ class InterpState:
             plan.void = f"{len(missing)} patch source(s) not on the worker, e.g. {missing[0]}"
             self.voided[plan.rid] = plan.void
             return
-        # a few entries per request: plain Python lists, then one array each
+        # a few entries per request: plain lists (a step gathers them into one array each)
         sites = memoryview(patch["site"]).cast("i").tolist()
         positions = memoryview(patch["pos"]).cast("i").tolist()
-        lookup = self.patch_index  # a site the engine lacks raises KeyError
-        base = [lookup[site] * self.max_rows + position for site, position in zip(sites, positions)]
-        entries = (
-            np.array(positions, dtype=np.int64),
-            np.array(base, dtype=np.int64),
-            np.array([rows[k] for k in keys], dtype=np.int64),
-            np.array([memoryview(patch["a"]).cast("f").tolist(), memoryview(patch["b"]).cast("f").tolist()],
-                     dtype=np.float32).T.copy(),
-        )
+        a, b = memoryview(patch["a"]).cast("f").tolist(), memoryview(patch["b"]).cast("f").tolist()
+        banks = [rows[k] for k in keys]
         ordered = list(zip(positions, sites))
         if any(x >= y for x, y in zip(ordered, ordered[1:])):
-            # one entry per (site, position), a later entry winning; sorted by position
-            site_arr, pos_arr = np.array(sites, dtype=np.int64), entries[0]
-            _, last = np.unique((site_arr * (1 << 32) + pos_arr)[::-1], return_index=True)
-            keep = len(positions) - 1 - last
-            order = keep[np.argsort(pos_arr[keep], kind="stable")]
-            entries = tuple(e[order] for e in entries)
+            # one entry per (site, position), a later entry winning; sorted by position, then site
+            last = {key: i for i, key in enumerate(ordered)}
+            keep = sorted(last.values(), key=ordered.__getitem__)
+            sites, positions = [sites[i] for i in keep], [positions[i] for i in keep]
+            a, b, banks = [a[i] for i in keep], [b[i] for i in keep], [banks[i] for i in keep]
+        lookup = self.patch_index  # a site the engine lacks raises KeyError
         # the flat index into [patch site, row] is base + (the request's first row in a step - its first position)
-        plan.patch = entries
-        plan.patch_span = (int(entries[0][0]), int(entries[0][-1]))
+        base = [lookup[site] * self.max_rows + position for site, position in zip(sites, positions)]
+        plan.patch = (positions, base, banks, a, b)
+        plan.patch_span = (positions[0], positions[-1])
         plan.bank_keys = tuple(set(keys))
         for key in plan.bank_keys:
             self._bank_users[key] = self._bank_users.get(key, 0) + 1
@@ -558,39 +553,39 @@ class InterpState:
 
     def _plan_patches(self, plans, starts, computed) -> None:
         """Point this step's patched rows at their bank rows; rows patched last step are unmasked first."""
-        bases, banks, coefs, shifts, counts = [], [], [], [], []
+        flat, banks, a, b = [], [], [], []
         if any(p is not None and p.patch is not None for p in plans):
             starts, computed = starts.tolist(), computed.tolist()
             for i, plan in enumerate(plans):
                 if plan is None or plan.patch is None:
                     continue
-                positions, base, bank, coef = plan.patch
+                positions, base, bank, pa, pb = plan.patch
                 first, (lo, hi) = computed[i], plan.patch_span
                 end = first + starts[i + 1] - starts[i]
                 if hi < first or lo >= end:
                     continue
+                j, k = 0, len(positions)
                 if first > lo or end <= hi:  # part of the prompt in this step
-                    a, b = np.searchsorted(positions, (first, end))
-                    base, bank, coef = base[a:b], bank[a:b], coef[a:b]
-                bases.append(base)
-                banks.append(bank)
-                coefs.append(coef)
-                shifts.append(starts[i] - first)
-                counts.append(len(base))
+                    j, k = bisect_left(positions, first), bisect_left(positions, end)
+                shift = starts[i] - first
+                flat += [x + shift for x in base[j:k]]
+                banks += bank[j:k]
+                a += pa[j:k]
+                b += pb[j:k]
         mask = self.patch_mask.view(-1)
         if self._patched_flat is not None:
             mask[self._patched_flat] = False
             self._patched_flat = None
-        if not bases:
+        if not flat:
             return
-        flat = np.concatenate(bases) + np.repeat(np.array(shifts, dtype=np.int64), counts)
-        bank, coef = np.concatenate(banks), np.concatenate(coefs)
+        flat, banks = np.array(flat, dtype=np.int64), np.array(banks, dtype=np.int64)
+        coef = np.array([a, b], dtype=np.float32).T.copy()
         device_flat = self.staging.upload(flat)
-        self.patch_idx.view(-1)[device_flat] = self.staging.upload(bank)
+        self.patch_idx.view(-1)[device_flat] = self.staging.upload(banks)
         self.patch_coef.view(-1, 2)[device_flat] = self.staging.upload(coef)
         mask[device_flat] = True
         self._patched_flat = device_flat
-        self._fold(b"patch", flat, bank, coef)
+        self._fold(b"patch", flat, banks, coef)
 
     def record_scores(self, logits: torch.Tensor) -> None:
         """Log-probabilities of each scored request's token ids (any rank), and its top token. Computed on the
