@@ -262,9 +262,10 @@ def mark_private_kv(requests: Sequence[EngineRequest]) -> None:
         ranges = sorted(tuple(x) for x in r.kv_ranges)
         return [(ranges[k][0], tuple(ranges[: k + 1])) for k in range(len(ranges))]
 
-    counts = Counter(chain for r in requests for _, chain in prefixes(r))
-    for r in requests:
-        unique = [start for start, chain in prefixes(r) if counts[chain] == 1]
+    chains = [prefixes(r) for r in requests]
+    counts = Counter(chain for per_request in chains for _, chain in per_request)
+    for r, per_request in zip(requests, chains):
+        unique = [start for start, chain in per_request if counts[chain] == 1]
         if unique:
             r.payload["kv_private"] = min(unique)
 

@@ -9,8 +9,8 @@ nothing computed under an intervention is served to a request without it (or wit
 
 Blocks reaching past the payload's ``kv_private`` position chain in interventions no other request of the plan
 has (a causal-trace cell's restore): they get a placeholder hash unique to the request and block instead of a
-hash of their contents, and are left out of the prefix cache. That is most of a trace's blocks, whose hashing
-and caching would otherwise cost more host time than anything else per request.
+hash of their contents, and are left out of the prefix cache. That is about half of a trace's blocks, whose
+hashing and caching were the largest host cost per request.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ def _private_placeholder(original):
             return f"{PRIVATE}:{extra_keys[1]}:{extra_keys[2]}".encode()
         return original(hash_function, parent_block_hash, curr_block_token_ids, extra_keys)
 
-    hash_block_tokens._interp_wrapped = True
     return hash_block_tokens
 
 
@@ -74,7 +73,6 @@ def _without_private_blocks(original):
         return original(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
                         block_mask)
 
-    cache_full_blocks._interp_wrapped = True
     return cache_full_blocks
 
 
