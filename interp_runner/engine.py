@@ -247,9 +247,10 @@ class VllmEngine:
         results = {}
         for internal, request in pending.items():
             ids = tokens.get(internal, [])
-            text = texts.get(tuple(ids))
+            key = tuple(ids)
+            text = texts.get(key)
             if text is None:
-                text = texts[tuple(ids)] = decode(ids, skip_special_tokens=True)
+                text = texts[key] = decode(ids, skip_special_tokens=True)
             worker = collected.get(request.rid, {})
             results[request.rid] = RequestResult(
                 rid=request.rid, prompt_index=request.prompt.index, token_ids=ids,
