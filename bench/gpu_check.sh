@@ -15,7 +15,8 @@
 # when under 30 s are left. Under a 10-minute limit per command, split the stages over calls, e.g.
 # `setup tests kernels bench-trace`, then `setup bench-small bench-store bench-8b`. Environment knobs:
 # BENCH_ENGINES, BENCH_8B_ENGINES, BENCH_CONDITIONS, BENCH_8B_CONDITIONS, BENCH_REPEATS, TRACE_REPEATS, TRACE_ARGS
-# (more bench/trace_grid.py options), TRACE_JSON (its result file's name), STORE_DIR, TEST_FILES.
+# (more bench/trace_grid.py options), TRACE_JSON (its result file's name), BENCH_SUFFIX (appended to the bench
+# result files' names), STORE_DIR, TEST_FILES.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -49,9 +50,10 @@ main() {
     case $stage in
       setup) stage_setup || rc=$? ;;
       tests) stage_tests $(( budget < ${TESTS_MAX_S:-360} ? budget : ${TESTS_MAX_S:-360} )) || rc=$? ;;
-      bench-small) stage_bench "$budget" smollm2_135m "${BENCH_ENGINES:-interp,stock}" || rc=$? ;;
+      bench-small) stage_bench "$budget" smollm2_135m "${BENCH_ENGINES:-interp,stock}" "${BENCH_SUFFIX:-}" || rc=$? ;;
       bench-8b) BENCH_CONDITIONS=${BENCH_8B_CONDITIONS:-idle,steered} \
-        stage_bench "$budget" llama8b-random "${BENCH_8B_ENGINES:-${BENCH_ENGINES:-interp,stock}}" || rc=$? ;;
+        stage_bench "$budget" llama8b-random "${BENCH_8B_ENGINES:-${BENCH_ENGINES:-interp,stock}}" "${BENCH_SUFFIX:-}" \
+        || rc=$? ;;
       bench-v2) stage_bench "$budget" smollm2_135m stock-default _v2 || rc=$? ;;
       kernels) timeout -k 10 $(( budget - 5 )) $PY bench/kernels.py --json "$OUT/kernels.json" || rc=$? ;;
       bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --repeats "${TRACE_REPEATS:-5}" \

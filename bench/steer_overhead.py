@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -227,7 +228,9 @@ def build(kind: str, args, folder: Path, dummy: bool, spec):
 
 
 def generate(llm, plan, interp: bool = False):
-    """(seconds, token ids per request, worker results by request id). ``interp``: the timed call also takes
+    """(wall seconds, this process's CPU seconds, token ids per request, worker results by request id). A run
+    whose wall time grows while its CPU time does not waited on something else: the GPU, or a busy host.
+    ``interp``: the timed call also takes
     the requests' results (captures) off the workers, as ``VllmEngine.run`` does; the worker keeps a request's
     captures until they are collected."""
     from interp_runner.payload import unpack_results
@@ -235,13 +238,13 @@ def generate(llm, plan, interp: bool = False):
     prompts = [r.engine_prompt() for r in plan.requests]
     params = [r.sampling_params() for r in plan.requests]
     collected = {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     if interp:
         for per_rank in llm.collective_rpc("interp_collect", args=([r.rid for r in plan.requests],)):
             collected.update(unpack_results(per_rank))
-    dt = time.perf_counter() - t0
-    return dt, [list(o.outputs[0].token_ids) for o in outputs], collected
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return dt, cpu, [list(o.outputs[0].token_ids) for o in outputs], collected
 
 
 def check_captures(plan, collected: dict, hidden: int) -> dict:
@@ -357,7 +360,7 @@ def worker(args) -> dict:
     outputs, checks = {}, {}
 
     def timed_run(name):
-        dt, tokens, collected = generate(llm, conditions[name], interp)
+        dt, cpu, tokens, collected = generate(llm, conditions[name], interp)
         if any(len(t) != args.max_tokens for t in tokens):
             raise RuntimeError(f"{name}: not every request decoded {args.max_tokens} tokens")
         if interp:
@@ -366,21 +369,27 @@ def worker(args) -> dict:
                 raise RuntimeError(f"{name}: captures are not what the requests asked for: {check}")
             checks.setdefault(name, []).append(check["rows"])
             checks[f"{name}:last"] = check
-        return dt, tokens
+        return dt, cpu, tokens
 
     for name in conditions:
         for _ in range(args.warmup):
-            _, outputs[name] = timed_run(name)
+            _, _, outputs[name] = timed_run(name)
     times = {name: [] for name in conditions}
+    cpu_times = {name: [] for name in conditions}
     names = list(conditions)
     for r in range(args.repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            dt, tokens = timed_run(name)
+            dt, cpu, tokens = timed_run(name)
             outputs[name] = tokens
             times[name].append(dt)
+            cpu_times[name].append(cpu)
     info["times_s"] = times
+    info["cpu_times_s"] = cpu_times
     info["median_s"] = {name: statistics.median(t) for name, t in times.items()}
     info["paired_vs_idle"] = paired_changes(times)
+    if "idle" in times:
+        info["paired_interval_95"] = {name: median_interval(paired_ratios(times, name))
+                                      for name in times if name != "idle"}
     if interp:
         if "capture" in conditions:
             last = checks["capture:last"]
@@ -442,23 +451,49 @@ def run_worker(kind: str, args, folder: Path, dummy: bool, scratch: Path) -> dic
     return {"kind": kind, "error": f"worker exited with {rc}", "process_s": wall}
 
 
+def paired_ratios(times: dict, name: str) -> list[float]:
+    """Each run of ``name`` against the idle run of the same ABBA round: its time / idle's - 1."""
+    return [a / b - 1 for a, b in zip(times[name], times["idle"])]
+
+
 def paired_changes(times: dict) -> dict:
     """condition -> median over ABBA rounds of (its run / the idle run of the same round) - 1."""
     if "idle" not in times:
         return {}
-    return {name: statistics.median(a / b - 1 for a, b in zip(t, times["idle"]))
-            for name, t in times.items() if name != "idle"}
+    return {name: statistics.median(paired_ratios(times, name)) for name in times if name != "idle"}
 
 
-def goal_of(condition: str, change: float | None, model: str = "") -> tuple[str, str]:
-    """(goal, met?) of a condition's paired change of time against its reference condition, where timed."""
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free confidence interval of the median: the widest pair of order statistics (k-th smallest,
+    k-th largest) whose binomial coverage is at least ``level``; None when there are too few values."""
+    n = len(values)
+    ordered = sorted(values)
+    best = None
+    for k in range(1, n // 2 + 1):
+        coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+        if coverage < level:
+            break
+        best = (ordered[k - 1], ordered[n - k])
+    return best
+
+
+def goal_of(condition: str, change: float | None, model: str = "",
+            interval: tuple[float, float] | None = None) -> tuple[str, str]:
+    """(goal, met?) of a condition's paired change of time against its reference condition, where timed.
+    With the median's confidence interval: "yes" when all of it meets the goal, "NO" when none does, and
+    "noise" when it straddles the limit (more rounds, or a quieter host, would decide)."""
     goals = GOALS_8B if "8b" in model else GOALS
     if condition not in goals or change is None:
         return "", ""
     against, limit = goals[condition]
-    if limit < 0:  # a throughput floor
-        return f"tok/s>={limit:+.0%} vs {against}", "yes" if 1 / (1 + change) - 1 >= limit else "NO"
-    return f"<={limit:+.0%} vs {against}", "yes" if change <= limit else "NO"
+    if limit < 0:  # a throughput floor: a time change c is a throughput change 1 / (1 + c) - 1
+        goal, meets = f"tok/s>={limit:+.0%} vs {against}", lambda c: 1 / (1 + c) - 1 >= limit
+    else:
+        goal, meets = f"<={limit:+.0%} vs {against}", lambda c: c <= limit
+    if interval is None:
+        return goal, "yes" if meets(change) else "NO"
+    lo, hi = (meets(c) for c in interval)
+    return goal, "yes" if lo and hi else "NO" if not (lo or hi) else "noise"
 
 
 def check_of(worker: dict, condition: str) -> str:
@@ -472,8 +507,8 @@ def check_of(worker: dict, condition: str) -> str:
 
 
 def table(results: list[dict]) -> str:
-    rows = [("model", "engine", "condition", "median s", "min s", "tok/s", "vs idle", "paired", "vs stock", "goal",
-             "met?", "runs", "check")]
+    rows = [("model", "engine", "condition", "median s", "min s", "tok/s", "vs idle", "paired", "95% interval",
+             "cpu paired", "vs stock", "goal", "met?", "runs", "check")]
     for res in results:
         model, workers = res["model"], res["workers"]
         stock = next((w["median_s"].get("stock") for w in workers if w.get("kind") == "stock" and "median_s" in w),
@@ -483,16 +518,21 @@ def table(results: list[dict]) -> str:
         tokens = res["batch"] * res["max_tokens"]
         for w in workers:
             if "median_s" not in w:
-                rows.append((model, w["kind"], "-", w.get("error", "?"), *[""] * 9))
+                rows.append((model, w["kind"], "-", w.get("error", "?"), *[""] * 11))
                 continue
             for cond, med in w["median_s"].items():
                 rel_idle = f"{med / idle - 1:+.2%}" if idle and w["kind"] == "interp" else ""
                 rel_stock = f"{med / stock - 1:+.2%}" if stock else ""
                 paired = paired_changes(w["times_s"]).get(cond)
-                goal, met = goal_of(cond, paired, model) if w["kind"] == "interp" else ("", "")
+                interval = (median_interval(paired_ratios(w["times_s"], cond))
+                            if paired is not None else None)
+                goal, met = goal_of(cond, paired, model, interval) if w["kind"] == "interp" else ("", "")
+                shown = f"[{interval[0]:+.2%}, {interval[1]:+.2%}]" if interval else ""
+                cpu = paired_changes(w["cpu_times_s"]).get(cond) if "cpu_times_s" in w else None
                 rows.append((model, w["kind"], cond, f"{med:.4f}", f"{min(w['times_s'][cond]):.4f}",
-                             f"{tokens / med:.0f}", rel_idle, "" if paired is None else f"{paired:+.2%}", rel_stock,
-                             goal, met, str(len(w["times_s"][cond])), check_of(w, cond)))
+                             f"{tokens / med:.0f}", rel_idle, "" if paired is None else f"{paired:+.2%}", shown,
+                             "" if cpu is None else f"{cpu:+.2%}", rel_stock, goal, met, str(len(w["times_s"][cond])),
+                             check_of(w, cond)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
