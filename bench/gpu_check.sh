@@ -15,8 +15,8 @@
 # when under 30 s are left. Under a 10-minute limit per command, split the stages over calls, e.g.
 # `setup tests kernels bench-trace`, then `setup bench-small bench-store bench-8b`. Environment knobs:
 # BENCH_ENGINES, BENCH_8B_ENGINES, BENCH_CONDITIONS, BENCH_8B_CONDITIONS, BENCH_REPEATS, TRACE_REPEATS, TRACE_ARGS
-# (more bench/trace_grid.py options), TRACE_JSON (its result file's name), BENCH_SUFFIX (appended to the bench
-# result files' names), STORE_DIR, TEST_FILES.
+# (more bench/trace_grid.py options), TRACE_JSON (its result file's name), BENCH_ARGS (more steer_overhead.py
+# options), BENCH_SUFFIX (appended to the bench result files' names), STORE_DIR, TEST_FILES.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -129,7 +129,7 @@ stage_bench() {
   [ "$model" = llama8b-random ] && name=llama8b
   timeout -k 10 $(( budget - 5 )) $PY bench/steer_overhead.py --model "$model" --engines "$engines" \
     --conditions "${BENCH_CONDITIONS:-idle,steered,capture}" --repeats "${BENCH_REPEATS:-7}" \
-    --worker-timeout $(( budget - 20 )) --json "$OUT/bench_${name}${suffix}.json"
+    --worker-timeout $(( budget - 20 )) ${BENCH_ARGS:-} --json "$OUT/bench_${name}${suffix}.json"
 }
 
 main 2>&1 | tee -a "$OUT/check.log"

@@ -322,7 +322,17 @@ def planner_profile(llm, plan, interp: bool = True) -> dict:
     return out
 
 
+def parse_cpus(text: str) -> set[int]:
+    cpus = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def worker(args) -> dict:
+    if args.cpus:  # before torch starts its threads, so they all inherit it
+        os.sched_setaffinity(0, parse_cpus(args.cpus))
     import torch
 
     from interp_runner.models.facts import ModelFacts
@@ -436,6 +446,8 @@ def run_worker(kind: str, args, folder: Path, dummy: bool, scratch: Path) -> dic
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.eager:
         cmd.append("--eager")
+    if args.cpus:
+        cmd += ["--cpus", args.cpus]
     print(f"== {args.model}: {kind} engine", flush=True)
     t0 = time.perf_counter()
     try:
@@ -560,6 +572,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-shape", default="", help="hidden,layers,heads,kv_heads,intermediate,vocab")
     ap.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "interp-bench"))
     ap.add_argument("--worker-timeout", type=float, default=600)
+    ap.add_argument("--cpus", default="", help="pin each engine process to these CPUs, e.g. 4-7 or 2,3 (default: any)")
     ap.add_argument("--json", default="", help="write all numbers here")
     ap.add_argument("--report", nargs="*", help="only print the table of these --json files")
     # internal: one engine in this process
@@ -588,7 +601,7 @@ def main(argv=None) -> int:
         "model": args.model, "folder": str(folder), "prepare_s": prepare_s,
         "batch": args.batch, "max_tokens": args.max_tokens, "vectors": args.vectors, "hook": args.hook,
         "norm": args.norm, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
-        "eager": args.eager, "conditions": args.conditions,
+        "eager": args.eager, "conditions": args.conditions, "cpus": args.cpus or "any",
         "weights": args.weights if args.model in ("llama8b-random", "random-llama") else "file",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "workers": [],
