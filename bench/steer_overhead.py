@@ -227,12 +227,12 @@ def build(kind: str, args, folder: Path, dummy: bool, spec):
     return llm, None
 
 
-def generate(llm, plan, interp: bool = False):
+def generate(llm, plan, engine=None):
     """(wall seconds, this process's CPU seconds, token ids per request, worker results by request id). A run
     whose wall time grows while its CPU time does not waited on something else: the GPU, or a busy host.
-    ``interp``: the timed call also takes
-    the requests' results (captures) off the workers, as ``VllmEngine.run`` does; the worker keeps a request's
-    captures until they are collected."""
+    With the interp ``engine``, the timed call also takes the requests' results (captures) off the workers as
+    ``VllmEngine.run`` does (packed only for workers in other processes); the worker keeps a request's captures
+    until they are collected."""
     from interp_runner.payload import unpack_results
 
     prompts = [r.engine_prompt() for r in plan.requests]
@@ -240,9 +240,10 @@ def generate(llm, plan, interp: bool = False):
     collected = {}
     t0, c0 = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    if interp:
-        for per_rank in llm.collective_rpc("interp_collect", args=([r.rid for r in plan.requests],)):
-            collected.update(unpack_results(per_rank))
+    if engine is not None:
+        packed = not engine.in_process
+        for per_rank in llm.collective_rpc("interp_collect", args=([r.rid for r in plan.requests], packed)):
+            collected.update(unpack_results(per_rank) if packed else per_rank)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     return dt, cpu, [list(o.outputs[0].token_ids) for o in outputs], collected
 
@@ -277,7 +278,7 @@ def check_captures(plan, collected: dict, hidden: int) -> dict:
             "expected_rows_per_request": [min(expected), max(expected)], "bad": bad[:8], "ok": not bad}
 
 
-def planner_profile(llm, plan, interp: bool = True) -> dict:
+def planner_profile(llm, plan, engine) -> dict:
     """Host time per step (untimed extra run): the planner, the model forward (graph replay or launches, the
     planner included), execute_model and sample_tokens; and the CUDA-graph mode of each forward."""
     from vllm.forward_context import get_forward_context
@@ -310,7 +311,7 @@ def planner_profile(llm, plan, interp: bool = True) -> dict:
     timed(GPUModelRunner, "sample_tokens", "sample_tokens")
     t0 = time.perf_counter()
     try:
-        generate(llm, plan, interp)
+        generate(llm, plan, engine)
     finally:
         for owner, name, original in reversed(patched):
             setattr(owner, name, original)
@@ -370,7 +371,7 @@ def worker(args) -> dict:
     outputs, checks = {}, {}
 
     def timed_run(name):
-        dt, cpu, tokens, collected = generate(llm, conditions[name], interp)
+        dt, cpu, tokens, collected = generate(llm, conditions[name], engine)
         if any(len(t) != args.max_tokens for t in tokens):
             raise RuntimeError(f"{name}: not every request decoded {args.max_tokens} tokens")
         if interp:
@@ -420,7 +421,7 @@ def worker(args) -> dict:
                     info[f"{name}_requests_changed"] = f"{changed}/{len(outputs['idle'])}"
             if info.get("steered_requests_changed", "").startswith("0/"):
                 info["warning"] = "steering changed no request's tokens"
-        info["planner"] = {name: planner_profile(llm, plan) for name, plan in conditions.items()}
+        info["planner"] = {name: planner_profile(llm, plan, engine) for name, plan in conditions.items()}
     return info
 
 

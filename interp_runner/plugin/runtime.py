@@ -665,6 +665,10 @@ class InterpState:
             per_site = self.results.pop(rid, {})
             merged = {}
             for site, chunks in per_site.items():
+                if len(chunks) == 1:  # the usual case: one step's rows, unique positions
+                    positions, values = chunks[0]
+                    merged[site] = (positions.astype(np.int32), values)
+                    continue
                 positions = np.concatenate([p for p, _ in chunks])
                 values = np.concatenate([v for _, v in chunks])
                 # a recomputed (preempted) request captures a position again: keep the last copy
