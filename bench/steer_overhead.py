@@ -280,7 +280,8 @@ def check_captures(plan, collected: dict, hidden: int) -> dict:
 
 def planner_profile(llm, plan, engine) -> dict:
     """Host time per step (untimed extra run): the planner, the model forward (graph replay or launches, the
-    planner included), execute_model and sample_tokens; and the CUDA-graph mode of each forward."""
+    planner included), execute_model and sample_tokens; the collection of the run's results; and the CUDA-graph
+    mode of each forward."""
     from vllm.forward_context import get_forward_context
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -306,6 +307,7 @@ def planner_profile(llm, plan, engine) -> dict:
         setattr(owner, name, wrapper)
 
     timed(InterpState, "before_forward", "planner")
+    timed(InterpState, "collect", "collect")
     timed(GPUModelRunner, "_model_forward", "model_forward", note_mode=True)
     timed(GPUModelRunner, "execute_model", "execute_model")
     timed(GPUModelRunner, "sample_tokens", "sample_tokens")
