@@ -408,12 +408,17 @@ def requests_hash(requests: Sequence[EngineRequest]) -> str:
             return obj.hex()
         raise TypeError(type(obj))
 
-    # the hash of the JSON list of every request, fed one request at a time
-    encoder = json.JSONEncoder(sort_keys=True, default=default, separators=(",", ":"))
+    # the hash of the JSON list of every request (keys sorted, no spaces), fed one request at a time; a prompt's
+    # tokens are encoded once for all the requests that share it
+    encode = json.JSONEncoder(sort_keys=True, default=default, separators=(",", ":")).encode
+    tokens: dict[int, str] = {}
     h = hashlib.sha256(b"[")
     for i, r in enumerate(requests):
-        item = {"rid": r.rid, "tokens": list(r.prompt.token_ids), "sampling": r.sampling, "stage": r.stage,
-                "condition": r.condition}
-        h.update((b"," if i else b"") + encoder.encode(item).encode())
+        key = id(r.prompt.token_ids)
+        if key not in tokens:
+            tokens[key] = encode(list(r.prompt.token_ids))
+        item = (f'{{"condition":{encode(r.condition)},"rid":{encode(r.rid)},"sampling":{encode(r.sampling)},'
+                f'"stage":{encode(r.stage)},"tokens":{tokens[key]}}}')
+        h.update((b"," if i else b"") + item.encode())
     h.update(b"]")
     return h.hexdigest()
