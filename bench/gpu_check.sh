@@ -16,7 +16,8 @@
 # `setup tests kernels bench-trace`, then `setup bench-small bench-store bench-8b`. Environment knobs:
 # BENCH_ENGINES, BENCH_8B_ENGINES, BENCH_CONDITIONS, BENCH_8B_CONDITIONS, BENCH_REPEATS, TRACE_REPEATS, TRACE_ARGS
 # (more bench/trace_grid.py options), TRACE_JSON (its result file's name), BENCH_ARGS (more steer_overhead.py
-# options), BENCH_SUFFIX (appended to the bench result files' names), STORE_DIR, TEST_FILES.
+# options), BENCH_SUFFIX (appended to the bench result files' names), STORE_DIR, STORE_ARGS (more
+# bench/store_bandwidth.py options), TEST_FILES.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -59,7 +60,7 @@ main() {
       bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --repeats "${TRACE_REPEATS:-5}" \
         ${TRACE_ARGS:-} --json "$OUT/${TRACE_JSON:-trace_grid}.json" || rc=$? ;;
       bench-store) timeout -k 10 $(( budget - 5 )) $PY bench/store_bandwidth.py --dir "${STORE_DIR:-/tmp/interp-store-bench}" \
-        --json "$OUT/store_bandwidth.json" || rc=$? ;;
+        ${STORE_ARGS:-} --json "$OUT/store_bandwidth.json" || rc=$? ;;
       *) echo "unknown stage $stage"; rc=2 ;;
     esac
     RC[$stage]=$rc; SECS[$stage]=$(( SECONDS - t0 ))

@@ -23,7 +23,8 @@ bandwidth ``dd`` gets in the same directory.
 - ``--variants`` (diagnostics, not the product's settings): the same dataset written by ``write_results`` with
   the captures' compressor changed (``uncompressed``; ``zstd-1``: zstd level 1 instead of the default level;
   ``blosc-lz4``: blosc lz4 with byte shuffle) or with zarr's ``async.concurrency`` (chunks encoded and written at
-  once) set to the CPU count (``concurrency``; the store itself uses the larger of the CPU count and zarr's 10). ``--profile`` writes once more under cProfile and
+  once) set to the CPU count (``concurrency``) or to N (``concurrency-N``); the store itself uses the larger of
+  the CPU count and zarr's 10. ``--profile`` writes once more under cProfile and
   prints where the time goes, with the time spent inside zarr's worker threads (compression, file writes, the
   empty-chunk check) added up apart.
 
@@ -68,7 +69,15 @@ COMPRESSORS = {  # diagnostic compressors of the captures
     "zstd-1": [{"name": "zstd", "configuration": {"level": 1}}],
     "blosc-lz4": [{"name": "blosc", "configuration": {"cname": "lz4", "clevel": 5, "shuffle": "shuffle"}}],
 }
-VARIANTS = (*COMPRESSORS, "concurrency")
+VARIANTS = (*COMPRESSORS, "concurrency")  # also concurrency-N: N chunks at once
+
+
+def concurrency_of(name: str) -> int | None:
+    """Chunks in flight of a concurrency variant (``concurrency``: the CPU count; ``concurrency-N``: N)."""
+    if name == "concurrency":
+        return CONCURRENCY
+    head, _, n = name.partition("-")
+    return int(n) if head == "concurrency" and n.isdigit() and int(n) > 0 else None
 
 
 # -- synthetic capture ------------------------------------------------------------------------------------
@@ -241,10 +250,10 @@ def variant(name: str | None):
     if name is None:
         yield
         return
-    if name == "concurrency":
+    if concurrency_of(name):
         import zarr
 
-        with zarr.config.set({"async.concurrency": CONCURRENCY}):
+        with zarr.config.set({"async.concurrency": concurrency_of(name)}):
             yield
         return
     import xarray as xr
@@ -472,8 +481,8 @@ def main(argv=None) -> int:
         ap.error("--shape: requests,positions,layers,hidden")
     modes = [m for m in args.dd_modes.split(",") if m]
     variants = [v for v in args.variants.split(",") if v]
-    if set(modes) - set(DD_FLAGS) or set(variants) - set(VARIANTS):
-        ap.error(f"--dd-modes from {', '.join(DD_FLAGS)}; --variants from {', '.join(VARIANTS)}")
+    if set(modes) - set(DD_FLAGS) or {v for v in variants if v not in VARIANTS and not concurrency_of(v)}:
+        ap.error(f"--dd-modes from {', '.join(DD_FLAGS)}; --variants from {', '.join(VARIANTS)}, concurrency-N")
     base = Path(args.dir) if args.dir else default_dir()
     base.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="store-bandwidth-", dir=base))
