@@ -334,11 +334,13 @@ class ThreadTimes:
 
     def targets(self):
         import numcodecs
+        import zarr.codecs.blosc as zblosc
         import zarr.codecs.bytes as zbytes
         import zarr.core.buffer.core as zbuffer
         import zarr.storage._local as zlocal
 
         return [(numcodecs.Zstd, "encode", "compress (numcodecs Zstd.encode)"),
+                (zblosc.BloscCodec, "_encode_sync", "compress (BloscCodec)"),
                 (zbytes.BytesCodec, "_encode_sync", "serialize (BytesCodec)"),
                 (zbuffer.NDBuffer, "all_equal", "empty-chunk check (NDBuffer.all_equal)"),
                 (zlocal, "_put", "file write (LocalStore _put)")]
