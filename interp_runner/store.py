@@ -205,8 +205,10 @@ def write_results(path: Path, ds: xr.Dataset) -> None:
     for name, var in ds.data_vars.items():
         if var.ndim == 5:  # captures: one chunk per (request, hook), all layers and positions
             # lz4 with byte shuffle: lossless, compresses activations as well as zstd at several times its speed
+            # every chunk written as is: zarr's check for all-fill chunks scans each one serially in its event loop
             encoding[name] = {"chunks": (1, 1) + var.shape[2:],
-                              "compressors": (BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),)}
+                              "compressors": (BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),),
+                              "write_empty_chunks": True}
     # to_zarr replaces the root attributes with the dataset's: carry the manifest over
     ds = ds.assign_attrs({**dict(zarr.open_group(str(path), mode="r").attrs), **ds.attrs})
     # chunks in flight at once: at least one per core (zarr's default is 10), so compression keeps pace with disk
