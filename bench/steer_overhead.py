@@ -59,7 +59,7 @@ CONDITIONS = ("idle", "steered", "capture")
 # condition -> (reference condition, limit): end-to-end time at most +limit, or (negative) throughput at least
 # limit; steering is held to +1% on the GPU-bound 8B shape, +3% on small host-bound models. Judged on the
 # median of paired ratios: each run against the reference run next to it in the same ABBA round, which cancels
-# the slow drifts of a shared host.
+# the slow drifts of a shared host; met only when the median's whole 95% interval meets the goal.
 GOALS = {"steered": ("idle", 0.03), "capture": ("idle", -0.03)}
 GOALS_8B = {**GOALS, "steered": ("idle", 0.01)}
 

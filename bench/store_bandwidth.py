@@ -250,10 +250,11 @@ def variant(name: str | None):
     if name is None:
         yield
         return
-    if concurrency_of(name):
+    chunks_in_flight = concurrency_of(name)
+    if chunks_in_flight:
         import zarr
 
-        with zarr.config.set({"async.concurrency": concurrency_of(name)}):
+        with zarr.config.set({"async.concurrency": chunks_in_flight}):
             yield
         return
     import xarray as xr
