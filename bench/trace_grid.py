@@ -125,6 +125,8 @@ def trace_config(args, folder: Path, facts_file: Path, on_gpu: bool, num_layers:
         engine["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
     if args.max_num_batched_tokens:
         engine["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.pack != "auto":
+        engine["pack_cells"] = args.pack == "on"
     return {
         "model": {"name": "bench", "path": str(folder)},
         "engine": engine,
@@ -202,6 +204,7 @@ HOST_PARTS = (  # (file, function, what) for the host profile; cumulative second
     ("gpu_model_runner.py", "_prepare_inputs", "vLLM runner: inputs"),
     ("gpu_model_runner.py", "_model_forward", "forward (launches, our planner included)"),
     ("runtime.py", "before_forward", "our planner"),
+    ("runtime.py", "plan_sequences", "our packed cells' attention layout"),
     ("runtime.py", "record_scores", "our scoring (launches)"),
     ("gpu_model_runner.py", "sample_tokens", "vLLM: sampling"),
     ("gpu_model_runner.py", "get_output", "host waiting for the GPU"),
@@ -369,7 +372,7 @@ class HFTrace:
 
 def table(result: dict) -> str:
     rows = [("tokens", "cells", "ours s", "stage1 s", "HF s", "speedup", "goal", "met?", "ours cells/s",
-             "HF cells/s", "max|dlp|")]
+             "HF cells/s", "max|dlp|", "unpacked s")]
     for r in result["lengths"]:
         ours, hf = r.get("ours_median_s"), r.get("hf_median_s")
         speed = hf / ours if ours and hf else None
@@ -381,6 +384,7 @@ def table(result: dict) -> str:
             ("yes" if speed >= goal else "NO") if goal and speed else "-",
             f"{r['cells'] / ours:.0f}" if ours else "-", f"{r['cells'] / hf:.0f}" if hf else "-",
             f"{r['max_abs_diff_logprob']:.3g}" if r.get("max_abs_diff_logprob") is not None else "-",
+            f"{r['unpacked_median_s']:.3f}" if r.get("unpacked_median_s") else "-",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
@@ -395,7 +399,12 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-batch", type=int, default=256, help="rows per HF forward")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: torch.compile + CUDA graphs)")
-    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=8192,
+                    help="also the most tokens a request of packed cells holds (the model's 8,192 positions)")
+    ap.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
+                    help="engine.pack_cells (auto: on with a GPU)")
+    ap.add_argument("--unpacked-repeats", type=int, default=0,
+                    help="then this many timed runs with cells unpacked, on the same engine")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=65536,
                     help="as causal_trace_full sets it (0: vLLM's default)")
@@ -464,6 +473,7 @@ def main(argv=None) -> int:
         "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
         "max_num_seqs": vc.scheduler_config.max_num_seqs,
         "block_size": vc.cache_config.block_size, "prefix_caching": vc.cache_config.enable_prefix_caching,
+        "pack_cells": engine.pack_cells,
         "kv_cache_memory_bytes": getattr(vc.cache_config, "kv_cache_memory_bytes", None),
     }
     clock = StageClock(engine)
@@ -504,6 +514,18 @@ def main(argv=None) -> int:
                 hf_t.append(dt)
                 print(f"  hf   {dt:.3f} s", flush=True)
         grid, clean_lp, corrupt_lp = ours_grid(plan, results, num_layers, n)
+        if args.unpacked_repeats:
+            packing, engine.pack_cells = engine.pack_cells, False
+            unpacked_t = []
+            for _ in range(args.unpacked_repeats):
+                total, stages, unpacked = ours_once(engine, clock, plan)
+                unpacked_t.append(total)
+                print(f"  ours, cells unpacked {total:.3f} s (stages {', '.join(f'{s:.3f}' for s in stages)})",
+                      flush=True)
+            engine.pack_cells = packing
+            row.update(unpacked_times_s=unpacked_t, unpacked_median_s=statistics.median(unpacked_t),
+                       max_abs_diff_packed_unpacked=float(np.nanmax(np.abs(
+                           grid - ours_grid(plan, unpacked, num_layers, n)[0]))))
         row.update(
             ours_times_s=ours_t, ours_stage_times_s=stages_t, ours_median_s=statistics.median(ours_t),
             ours_stage1_median_s=statistics.median(s[1] for s in stages_t) if len(stages_t[0]) > 1 else None,

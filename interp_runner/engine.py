@@ -13,6 +13,7 @@ import numpy as np
 from .compiler import EngineRequest
 from .config import ConfigError
 from .config.schema import EngineConfig
+from .packing import PackedRequest, pack_requests
 from .payload import EngineSpec, plugin_fingerprint, unpack_results
 from .plugin import ENABLE_ENV
 
@@ -107,6 +108,9 @@ class VllmEngine:
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.spec = spec
+        # cells share engine requests: on GPUs, where vLLM's per-request work outweighs a cell's compute (CPU
+        # blocks are 128 tokens: padding each cell to a block would cost more than it saves)
+        self.pack_cells = on_gpu() if cfg.pack_cells is None else cfg.pack_cells
         self._serial = 0
         self.checksums: list[dict] = []
         self.llm = LLM(**kwargs)
@@ -192,39 +196,48 @@ class VllmEngine:
         ``LLM.generate`` spends a large share of a short request's cost in its front end (prompt rendering and
         parameter processing per request; detokenization and ``RequestOutput`` objects on the way out). Here the
         sampling parameters are processed once per distinct setting and shallow-copied per request with its own
-        payload; the core's outputs are read directly. Same scheduler, model runner and sampling as ``generate``."""
+        payload; the core's outputs are read directly. Same scheduler, model runner and sampling as ``generate``.
+        With ``pack_cells``, cells that share a prompt prefix go in shared engine requests (``packing``)."""
         from vllm import SamplingParams
         from vllm.v1.engine import EngineCoreRequest
 
         engine = self.llm.llm_engine
         core = engine.engine_core
+        packed, single = [], list(requests)
+        if self.pack_cells:
+            config = engine.vllm_config
+            # room for the one token the engine generates
+            limit = min(config.model_config.max_model_len - 1, config.scheduler_config.max_num_batched_tokens)
+            packed, single = pack_requests(requests, config.cache_config.block_size, limit)
+        submissions = [(r.rid, list(r.prompt.token_ids), r.sampling, r) for r in single]
+        submissions += [(p.rid, p.token_ids, p.sampling, p) for p in packed]
         processed: dict[str, object] = {}
-        pending: dict[str, EngineRequest] = {}
+        pending: dict[str, EngineRequest | PackedRequest] = {}
         arrival = time.time()
-        for r in requests:
-            settings = {k: v for k, v in r.sampling.items() if k != "extra_args"}
+        for rid, token_ids, sampling, request in submissions:
+            settings = {k: v for k, v in sampling.items() if k != "extra_args"}
             key = repr(sorted(settings.items()))
             params = processed.get(key)
             if params is None:
                 params = engine.input_processor.process_inputs(
-                    r.rid, {"prompt_token_ids": list(r.prompt.token_ids)}, SamplingParams(**settings),
+                    rid, {"prompt_token_ids": token_ids}, SamplingParams(**settings),
                     supported_tasks=engine.get_supported_tasks(),
                 ).sampling_params
                 processed[key] = params
             params = copy.copy(params)
-            params.extra_args = r.sampling.get("extra_args")
+            params.extra_args = sampling.get("extra_args")
             self._serial += 1
-            internal = f"{r.rid}-{self._serial:08x}"
-            pending[internal] = r
+            internal = f"{rid}-{self._serial:08x}"
+            pending[internal] = request
             core.add_request(EngineCoreRequest(
-                request_id=internal, prompt_token_ids=list(r.prompt.token_ids), mm_features=None,
+                request_id=internal, prompt_token_ids=token_ids, mm_features=None,
                 sampling_params=params, pooling_params=None, arrival_time=arrival, lora_request=None,
-                cache_salt=None, data_parallel_rank=None, external_req_id=r.rid,
+                cache_salt=None, data_parallel_rank=None, external_req_id=rid,
             ))
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[float]] = {}
         cached: dict[str, int] = {}
-        done: dict[str, EngineRequest] = {}
+        done: set[str] = set()
         try:
             while len(done) < len(pending):
                 for out in core.get_output().outputs:
@@ -237,27 +250,37 @@ class VllmEngine:
                     if out.prefill_stats is not None:
                         cached[out.request_id] = int(out.prefill_stats.num_cached_tokens)
                     if out.finished:
-                        done[out.request_id] = pending[out.request_id]
+                        done.add(out.request_id)
         except BaseException:
             core.abort_requests([k for k in pending if k not in done])
             raise
         collected = self._collect([r.rid for r in requests])
         decode = self.llm.get_tokenizer().decode
         texts: dict[tuple, str] = {}  # one token each: few distinct ones
-        results = {}
-        for internal, request in pending.items():
-            ids = tokens.get(internal, [])
+
+        def result(request: EngineRequest, ids: list[int], chosen: list[float], cached_tokens: int) -> RequestResult:
             key = tuple(ids)
             text = texts.get(key)
             if text is None:
                 text = texts[key] = decode(ids, skip_special_tokens=True)
             worker = collected.get(request.rid, {})
-            results[request.rid] = RequestResult(
-                rid=request.rid, prompt_index=request.prompt.index, token_ids=ids,
-                text=text, logprobs=logprobs.get(internal, []),
+            return RequestResult(
+                rid=request.rid, prompt_index=request.prompt.index, token_ids=ids, text=text, logprobs=chosen,
                 captures=worker.get("captures", {}), score=worker.get("score"), void=worker.get("void"),
-                cached_tokens=cached.get(internal, 0),
+                cached_tokens=cached_tokens,
             )
+
+        results = {}
+        for internal, request in pending.items():
+            if isinstance(request, EngineRequest):
+                results[request.rid] = result(request, tokens.get(internal, []), logprobs.get(internal, []),
+                                              cached.get(internal, 0))
+                continue
+            # a packed cell's token is its greedy choice: the top token its score read
+            for member in request.members:
+                score = collected.get(member.rid, {}).get("score")
+                ids, chosen = ([score["top_id"]], [score["top_logprob"]]) if score else ([], [])
+                results[member.rid] = result(member, ids, chosen, min(cached.get(internal, 0), request.prefix))
         return results
 
     def _collect(self, rids: list[str]) -> dict:

@@ -215,16 +215,23 @@ def hf_trace(path, fact_ids, subject, noise, answer, cells):
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_trace_grid_matches_hf_hooks(smollm2_engine, smollm2_path):
-    config = trace_config(noise={"samples": 1, "seed": 1}, layers=LAYERS, plots=False)
-    plan, results = run_plan(smollm2_engine, config)
+@pytest.mark.parametrize("pack", [False, True], ids=["cells-alone", "cells-packed"])
+def test_trace_grid_matches_hf_hooks(smollm2_engine, smollm2_path, pack):
+    # packed on a CPU, each cell's segment is a 128-token block: fewer layers keep it quick
+    layers = [0, 11, 29] if pack else LAYERS
+    config = trace_config(noise={"samples": 1, "seed": 1}, layers=layers, plots=False)
+    smollm2_engine.pack_cells = pack
+    try:
+        plan, results = run_plan(smollm2_engine, config)
+    finally:
+        smollm2_engine.pack_cells = False
     ds = trace_dataset(plan, results)
     layout = plan.trace
     assert not ds["filtered"].any() and ds.attrs["voided"] == []
     for fact in layout.facts:
         f = fact.index
         n = len(fact.clean.token_ids)
-        cells = [(k, lay, t) for k in layout.kinds for lay in LAYERS for t in range(n)]
+        cells = [(k, lay, t) for k in layout.kinds for lay in layers for t in range(n)]
         want, want_corrupt = hf_trace(smollm2_path, list(fact.clean.token_ids), list(fact.subject_positions),
                                       ds["noise"].values[f, 0, : len(fact.subject_positions)],
                                       fact.clean.answer_ids[0], cells)
@@ -272,3 +279,76 @@ def test_counterfactual_cells_restore_aligned_positions_only(tmp_path):
     last = next(r for r in cells if r.meta["token"] == 8)
     (src,) = last.payload["patch"]["src"]
     assert plan.refs[src] == ("f000-clean", site_id(2, "post_block"), 9)
+
+
+# -- packed cells -------------------------------------------------------------------------------------------
+
+
+def long_fact(tmp_path, repeats: int) -> str:
+    filler = " and then".join([" it stood there for many years"] * repeats)
+    return write_facts(tmp_path, [{"id": "long", "subject": "The Eiffel Tower",
+                                   "prompt": f"The Eiffel Tower{filler} is located in the city of", "answer": " Paris"}])
+
+
+def test_cells_pack_into_block_aligned_segments_after_their_shared_prefix(tmp_path):
+    from interp_runner.packing import pack_requests
+
+    plan = prepare(trace_config("tiny_random", kinds=["resid"], layers=[1], noise={"samples": 1}, filter=False,
+                                facts=long_fact(tmp_path, 18))).plan
+    n = len(plan.trace.facts[0].corrupt.token_ids)
+    assert n > 130
+    packed, single = pack_requests(plan.requests, block_size=32, max_tokens=1023)
+    cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
+    members = [m.rid for p in packed for m in p.members]
+    assert sorted(members + [r.rid for r in single]) == sorted(r.rid for r in plan.requests)  # each once
+    assert {r.meta.get("part") for r in single} >= {"clean", "corrupt"} and len(packed) > 4
+    assert all(plan_cell.meta.get("part") == "cell" for p in packed for plan_cell in p.members)
+    assert len(members) > 0.9 * len(cells)
+    prompt = list(plan.trace.facts[0].corrupt.token_ids)
+    for p in packed:
+        payload = p.sampling["extra_args"]["interp"]
+        layout = payload["cells"]
+        prefix, stride = layout["prefix"], layout["stride"]
+        assert 2 <= len(p.members) and len(p.token_ids) == prefix + stride * len(p.members) <= 1023
+        assert prefix % 32 == 0 and stride % 32 == 0 and stride >= n - prefix > stride - 32
+        assert payload["kv_private"] == prefix
+        for k, member in enumerate(p.members):
+            token = member.meta["token"]
+            assert prefix <= token < prefix + 32  # the block of its restore: all it shares with other cells
+            segment = p.token_ids[prefix + k * stride :][: n - prefix]
+            assert segment == prompt[prefix:]
+        # each member's restore, moved into its segment; the noise before the prefix once
+        positions = np.frombuffer(payload["patch"]["pos"], dtype=np.int32)
+        restores = [pos for pos, key in zip(positions.tolist(), payload["patch"]["src"]) if key.startswith("ref:")]
+        assert restores == [prefix + k * stride + m.meta["token"] - prefix for k, m in enumerate(p.members)]
+    # nothing else packs: requests with captures, several tokens or no private KV stay as they are
+    assert not pack_requests([r for r in plan.requests if r.meta.get("part") != "cell"], 32, 1023)[0]
+
+
+@pytest.mark.engine
+def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path):
+    """Cells packed into shared requests (prefix, chunked steps, segments at their prompt's positions) give the
+    scores the same cells give as requests of their own."""
+    config = trace_config("tiny_random", kinds=["resid", "mlp"], layers=[0, 3], window=2, noise={"samples": 2},
+                          filter=False, facts=long_fact(tmp_path, 34))
+    config["engine"]["max_model_len"] = 1024  # as the engine has
+    results = {}
+    for pack in (False, True):
+        tiny_engine.pack_cells = pack
+        try:
+            plan, results[pack] = run_plan(tiny_engine, config)
+        finally:
+            tiny_engine.pack_cells = False
+    n = len(plan.trace.facts[0].corrupt.token_ids)
+    assert n > 256  # cells share prefixes of one and two CPU blocks (128 tokens)
+    cells = [r.rid for r in plan.requests if r.meta.get("part") == "cell"]
+    assert len(cells) == 2 * 2 * 2 * n
+    for rid in cells:
+        alone, packed = results[False][rid], results[True][rid]
+        assert packed.void is None and packed.score is not None
+        np.testing.assert_allclose(packed.score["logprobs"], alone.score["logprobs"], atol=1e-4, rtol=0)
+        assert packed.score["top_id"] == alone.score["top_id"] and packed.token_ids == alone.token_ids
+    late = [rid for rid in cells if results[True][rid].cached_tokens]
+    assert late and all(results[True][rid].cached_tokens % 128 == 0 for rid in late)
+    ds = {pack: trace_dataset(plan, results[pack]) for pack in results}
+    np.testing.assert_allclose(ds[True]["restored_prob"].values, ds[False]["restored_prob"].values, atol=1e-4)

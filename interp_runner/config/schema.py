@@ -232,6 +232,9 @@ class EngineConfig(Strict):
     # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): a request's numbers no longer depend on what it
     # was batched with, so GPU reruns reproduce bit for bit (slower; GPU only)
     batch_invariant: bool = False
+    # causal-trace cells that share a prompt prefix run packed into shared engine requests (``packing``);
+    # default: on a GPU
+    pack_cells: bool | None = None
 
 
 class ModelConfig(Strict):

@@ -120,6 +120,19 @@ class RequestPlan:
     bank_keys: tuple[str, ...] = ()
     score_ids: np.ndarray | None = None
     void: str | None = None
+    cells: CellLayout | None = None
+
+
+@dataclass
+class CellLayout:
+    """A packed request's cells (``interp_runner.packing``): segment ``k`` holds prompt positions ``prefix ..
+    prefix + length - 1`` at ``prefix + k * stride``, padded to ``stride``."""
+
+    prefix: int
+    stride: int
+    length: int
+    rids: list[str]
+    score_ids: list[np.ndarray]
 
 
 def capture_groups(specs) -> list[tuple]:
@@ -214,6 +227,10 @@ class InterpState:
         )
         self.scores: dict[str, dict] = {}
         self.voided: dict[str, str] = {}
+        # a step with packed cells: its attention sequences (``plan_sequences``), and the cells it scores
+        self.sequences: dict | None = None
+        self.cell_scores: tuple[torch.Tensor, list] | None = None
+        self.cell_hidden: torch.Tensor | None = None
 
     # -- the op -------------------------------------------------------------------------------------
     def _steer(self, x: torch.Tensor, site: int) -> torch.Tensor | None:
@@ -359,7 +376,24 @@ class InterpState:
             plan.score_ids = unpack_positions(payload["score"]).astype(np.int64)
         if payload.get("patch"):
             self._admit_patch(plan, payload["patch"])
+        cells = payload.get("cells")
+        if cells is not None:
+            plan.cells = CellLayout(int(cells["prefix"]), int(cells["stride"]), int(cells["length"]),
+                                    list(cells["rids"]), [unpack_positions(x).astype(np.int64) for x in cells["score"]])
+            if plan.void is not None:
+                self.voided.pop(plan.rid, None)
+                for rid in plan.cells.rids:
+                    self.voided[rid] = plan.void
         return plan
+
+    def _plans(self, runner) -> list[RequestPlan | None]:
+        """The plans of the step's requests, in batch order (new requests admitted)."""
+        req_ids = runner.input_batch.req_ids[: runner.input_batch.num_reqs]
+        self.forget_finished(runner.requests)
+        for rid in req_ids:
+            if rid not in self.requests:
+                self.requests[rid] = self._admit(runner.requests[rid])
+        return [self.requests[rid] for rid in req_ids]
 
     def _admit_patch(self, plan: RequestPlan, patch: dict) -> None:
         keys = patch["src"]
@@ -412,12 +446,7 @@ class InterpState:
             self.pending_scores = []
             self._steady = steady
             return False
-        self.forget_finished(runner.requests)
-        plans = []
-        for rid in req_ids:
-            if rid not in self.requests:
-                self.requests[rid] = self._admit(runner.requests[rid])
-            plans.append(self.requests[rid])
+        plans = self._plans(runner)
         self.pending_scores = []
         if not any(plans):
             if self._row_slots is not False:
@@ -587,6 +616,80 @@ class InterpState:
         self._patched_flat = device_flat
         self._fold(b"patch", flat, banks, coef)
 
+    def plan_sequences(self, runner) -> None:
+        """A step with packed cells: split each packed request into attention sequences (the prefix, then one
+        per cell segment, each seeing the prefix's blocks and its own), put the segments' tokens at the positions
+        of the prompt they stand for, and mark each cell's last prompt token for scoring. Other requests stay one
+        sequence each; nothing changes in a step without packed cells."""
+        self.sequences, self.cell_scores = None, None
+        plans = self._plans(runner)
+        if not any(p is not None and p.cells is not None for p in plans):
+            return
+        batch = runner.input_batch
+        n = batch.num_reqs
+        starts = runner.query_start_loc.np[: n + 1].astype(np.int64)
+        computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
+        block = runner.cache_config.block_size
+        # per request, its sequences: (query starts, query lengths, sequence lengths, token shifts, first shifted
+        # block); a request that is not packed is one sequence
+        parts, part_owner = [], []
+        score_rows, score_meta = [], []
+        for i, plan in enumerate(plans):
+            first, count = int(computed[i]), int(starts[i + 1] - starts[i])
+            end = first + count
+            cells = plan.cells if plan is not None else None
+            if cells is None or end <= cells.prefix:
+                parts.append(([starts[i]], [count], [end], [0], [0]))
+                part_owner.append(i)
+                continue
+            p, stride = cells.prefix, cells.stride
+            if first < p:
+                parts.append(([starts[i]], [p - first], [p], [0], [0]))
+                part_owner.append(i)
+            lo = max(first, p)
+            k = np.arange((lo - p) // stride, (end - 1 - p) // stride + 1)
+            seg_lo = np.maximum(lo, p + k * stride)
+            seg_hi = np.minimum(end, p + (k + 1) * stride)
+            shift = k * stride
+            parts.append((starts[i] + seg_lo - first, seg_hi - seg_lo, seg_hi - shift, shift,
+                          np.full(len(k), p // block)))
+            part_owner.append(i)
+            last = p + shift + cells.length - 1
+            hit = (last >= seg_lo) & (last < seg_hi)
+            score_rows.append(starts[i] + last[hit] - first)
+            score_meta += [(cells.rids[j], cells.score_ids[j]) for j in k[hit].tolist()]
+        q_start, q_len, seq_len, shift, from_block = (
+            np.concatenate([np.asarray(part[f], dtype=np.int64) for part in parts]) for f in range(5))
+        owner = np.repeat(np.array(part_owner), [len(part[1]) for part in parts])
+        self._fold(b"sequences", q_start, q_len, seq_len, shift)
+        num_tokens = int(starts[n])
+        num_seqs = len(q_len)
+        positions = np.repeat(seq_len - q_len - q_start, q_len) + np.arange(num_tokens)
+        width = int((-(-seq_len // block)).max())
+        cols = np.arange(width)[None, :]
+        cols = cols + np.where(cols >= from_block[:, None], (shift // block)[:, None], 0)
+        table = batch.block_table[0].get_device_tensor(n)
+        cols = np.minimum(cols, table.shape[1] - 1)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(q_len, out=query_start[1:])
+        prompt_len = batch.num_prompt_tokens[:n].astype(np.int64)
+        self.sequences = {
+            "num_tokens": num_tokens,
+            "query_start_loc": self.staging.upload(query_start),
+            "query_start_loc_cpu": torch.from_numpy(query_start),
+            "seq_lens": self.staging.upload(seq_len.astype(np.int32)),
+            "seq_lens_cpu": torch.from_numpy(seq_len.astype(np.int32)),
+            "computed_cpu": torch.from_numpy((seq_len - q_len).astype(np.int32)),
+            "num_reqs": num_seqs,
+            "max_query_len": int(q_len.max()),
+            "max_seq_len": int(seq_len.max()),
+            "block_table": table[self.staging.upload(owner)[:, None], self.staging.upload(cols)],
+            "is_prefilling": torch.from_numpy(seq_len - q_len < prompt_len[owner]),
+        }
+        runner.positions[:num_tokens].copy_(self.staging.upload(positions))
+        if score_rows:
+            self.cell_scores = (self.staging.upload(np.concatenate(score_rows)), score_meta)
+
     def record_scores(self, logits: torch.Tensor) -> None:
         """Log-probabilities of each scored request's token ids (any rank), and its top token. Computed on the
         device and kept there: the step does not wait for them (they are read back in bulk)."""
@@ -602,6 +705,21 @@ class InterpState:
             ids[j, : len(tokens)] = tokens
         chosen = logprobs.gather(1, self.staging.upload(ids))
         self._keep("score", (chosen, top_lp, top_id), [(rid, tokens) for _, rid, tokens in pending])
+
+    def record_cell_scores(self, logits: torch.Tensor) -> None:
+        """Scores of the packed cells whose last prompt token this step computed (``logits``: one row each)."""
+        _, meta = self.cell_scores
+        self.cell_scores = None
+        if not self.is_result_rank:
+            return
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top_lp, top_id = logprobs.max(dim=-1)
+        width = max(len(ids) for _, ids in meta)
+        ids = np.zeros((len(meta), width), dtype=np.int64)
+        for j, (_, tokens) in enumerate(meta):
+            ids[j, : len(tokens)] = tokens
+        chosen = logprobs.gather(1, self.staging.upload(ids))
+        self._keep("score", (chosen, top_lp, top_id), meta)
 
     def _keep(self, kind: str, tensors: tuple, meta: list) -> None:
         """Hold a step's results on the device (copies: the buffers they come from are rewritten next step);
@@ -695,16 +813,46 @@ def _state_of(runner) -> InterpState | None:
 
 
 def _score_logits(model, state: InterpState) -> None:
-    """Wrap the model's compute_logits (outside the compiled graph) so scoring steps read their logits."""
+    """Wrap the model's compute_logits (outside the compiled graph) so scoring steps read their logits; packed
+    cells' logits are computed here too, from their rows of the step's hidden states."""
     original = model.compute_logits
 
     def compute_logits(hidden_states, *args, **kwargs):
         logits = original(hidden_states, *args, **kwargs)
         if state.pending_scores and logits is not None:
             state.record_scores(logits)
+        if state.cell_hidden is not None:
+            cells, state.cell_hidden = original(state.cell_hidden), None
+            if cells is not None:
+                state.record_cell_scores(cells)
         return logits
 
     model.compute_logits = compute_logits
+
+
+def _packed_sequences(builder, state: InterpState) -> None:
+    """Make an attention metadata builder see a packed step's sequences instead of its requests."""
+    if "build" in builder.__dict__:
+        return
+    original = builder.build
+
+    def build(common_prefix_len, common_attn_metadata, *args, **kwargs):
+        seqs = state.sequences
+        if seqs is None:
+            return original(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        common_attn_metadata = common_attn_metadata.replace(
+            query_start_loc=seqs["query_start_loc"], query_start_loc_cpu=seqs["query_start_loc_cpu"],
+            seq_lens=seqs["seq_lens"], _seq_lens_cpu=seqs["seq_lens_cpu"], seq_lens_cpu_upper_bound=seqs["seq_lens_cpu"],
+            _num_computed_tokens_cpu=seqs["computed_cpu"], num_reqs=seqs["num_reqs"],
+            max_query_len=seqs["max_query_len"], max_seq_len=seqs["max_seq_len"],
+            block_table_tensor=seqs["block_table"], is_prefilling=seqs["is_prefilling"],
+        )
+        # no cascade over the requests' common prefix; no ahead-of-time schedule (its buffer is sized for
+        # max_num_seqs sequences)
+        kwargs["fast_build"] = True
+        return original(0, common_attn_metadata, *args, **kwargs)
+
+    builder.build = build
 
 
 def instrument_model_runner() -> None:
@@ -715,7 +863,21 @@ def instrument_model_runner() -> None:
     if "_interp_original_model_forward" in GPUModelRunner.__dict__:
         return
     original = GPUModelRunner._model_forward
+    original_prepare = GPUModelRunner._prepare_inputs
     GPUModelRunner._interp_original_model_forward = original
+
+    def _prepare_inputs(self, *args, **kwargs):
+        out = original_prepare(self, *args, **kwargs)
+        state = _state_of(self)
+        if state is not None:
+            state.plan_sequences(self)
+            if state.sequences is not None:
+                if len(self.attn_groups) != 1:
+                    raise RuntimeError("interp: packed cells need a model with one KV-cache group")
+                for group in self.attn_groups[0]:
+                    for builder in group.metadata_builders:
+                        _packed_sequences(builder, state)
+        return out
 
     def _model_forward(self, *args, **kwargs):
         global _active
@@ -724,14 +886,19 @@ def instrument_model_runner() -> None:
             return original(self, *args, **kwargs)
         _active = state
         positions = kwargs.get("positions")
-        if state.before_forward(self, positions.shape[-1]):
+        if state.before_forward(self, positions.shape[-1]) or state.sequences is not None:
             context = get_forward_context()
             context.cudagraph_runtime_mode = CUDAGraphMode.NONE
         try:
-            return original(self, *args, **kwargs)
+            output = original(self, *args, **kwargs)
+            if state.cell_scores is not None:
+                state.cell_hidden = output.index_select(0, state.cell_scores[0])
+            return output
         finally:
+            state.sequences = None
             state.after_forward()
 
+    GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._model_forward = _model_forward
 
 

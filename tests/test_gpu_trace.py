@@ -1,0 +1,54 @@
+"""Causal tracing on the GPU (bf16, torch.compile + CUDA graphs): cells packed into shared engine requests, as
+a GPU engine runs them by default, against the same cells alone and against plain HF transformers hooks in
+float32. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import build_engine, every_site, run_plan
+from test_causal_trace import hf_trace, trace_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
+
+LAYERS = [0, 9, 20, 29]
+TOLERANCE = 0.2  # |logprob| difference from float32 that a bf16 engine may show on corrupted inputs
+
+
+@pytest.fixture(scope="module")
+def trace_engine(smollm2_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sites = every_site(30)
+    eng = build_engine(smollm2_path, (), (), sites, 4096, dtype="bfloat16", enforce_eager=False,
+                       max_model_len=2048, max_num_seqs=64, kv_cache_memory_bytes=2 << 30)
+    yield eng
+    eng.close()
+
+
+def test_packed_cells_match_cells_alone_and_hf(trace_engine, smollm2_path):
+    config = trace_config(noise={"samples": 1, "seed": 1}, layers=LAYERS, plots=False)
+    config["engine"].update(dtype="bfloat16", enforce_eager=False, max_model_len=2048)
+    assert trace_engine.pack_cells  # the GPU default
+    runs = {}
+    for pack in (True, False):
+        trace_engine.pack_cells = pack
+        try:
+            plan, runs[pack] = run_plan(trace_engine, config)
+        finally:
+            trace_engine.pack_cells = True
+    cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
+    for fact in plan.trace.facts:
+        ids, subject = list(fact.clean.token_ids), list(fact.subject_positions)
+        mine = [r for r in cells if r.meta["fact"] == fact.index]
+        keys = [(r.meta["kind"], r.meta["layer"], r.meta["token"]) for r in mine]
+        noise = plan.trace.noise[fact.index][0]
+        want, _ = hf_trace(smollm2_path, ids, subject, noise, fact.clean.answer_ids[0], keys)
+        got = {pack: np.array([float(runs[pack][r.rid].score["logprobs"][0]) for r in mine]) for pack in runs}
+        errors = {"packed": float(np.abs(got[True] - want).max()), "alone": float(np.abs(got[False] - want).max()),
+                  "packed vs alone": float(np.abs(got[True] - got[False]).max())}
+        print(f"fact {fact.index}, {len(mine)} cells, max |logprob difference|: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()) + f" (tolerance {TOLERANCE})")
+        assert max(errors.values()) <= TOLERANCE, errors
