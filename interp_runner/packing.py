@@ -42,68 +42,83 @@ class PackedRequest:
 
 def packable(request: EngineRequest) -> bool:
     payload = request.payload
+    return payload is not None and _packable(request, payload)
+
+
+def _packable(request: EngineRequest, payload: dict) -> bool:
+    sampling = request.sampling
     return (
-        payload is not None and set(payload) <= PACKABLE_KEYS and "kv_private" in payload
-        and "patch" in payload and "score" in payload
-        and request.sampling.get("max_tokens") == 1 and request.sampling.get("temperature") == 0
-        and not request.sampling.get("logprobs")
+        payload.keys() <= PACKABLE_KEYS and "kv_private" in payload and "patch" in payload and "score" in payload
+        and sampling.get("max_tokens") == 1 and sampling.get("temperature") == 0 and not sampling.get("logprobs")
     )
-
-
-def _entries(payload: dict) -> list[tuple]:
-    patch = payload["patch"]
-    sites = np.frombuffer(patch["site"], dtype=np.int32).tolist()
-    positions = np.frombuffer(patch["pos"], dtype=np.int32).tolist()
-    a = np.frombuffer(patch["a"], dtype=np.float32).tolist()
-    b = np.frombuffer(patch["b"], dtype=np.float32).tolist()
-    return list(zip(sites, positions, patch["src"], a, b))
 
 
 def pack_requests(requests: Sequence[EngineRequest], block_size: int, max_tokens: int
                   ) -> tuple[list[PackedRequest], list[EngineRequest]]:
     """(packed requests, requests left as they are). A packed request holds at most ``max_tokens`` tokens and at
     least two cells."""
-    groups: dict[tuple, list[EngineRequest]] = {}
+    groups: dict[tuple, list[tuple[EngineRequest, dict]]] = {}
     single: list[EngineRequest] = []
     for r in requests:
-        if not packable(r):
+        payload = r.payload
+        if payload is None or not _packable(r, payload):
             single.append(r)
             continue
-        payload = r.payload
         prefix = payload["kv_private"] // block_size * block_size
         shared = tuple(tuple(x) for x in payload["kv"] if x[0] < prefix)
-        settings = repr(sorted((k, v) for k, v in r.sampling.items() if k != "extra_args"))
-        groups.setdefault((r.prompt.token_ids, prefix, shared, settings), []).append(r)
+        settings = tuple(sorted((k, v) for k, v in r.sampling.items() if k != "extra_args"))
+        groups.setdefault((r.prompt.token_ids, prefix, shared, settings), []).append((r, payload))
     packed = []
     for (token_ids, prefix, shared, _), members in groups.items():
         n = len(token_ids)
         stride = -(-(n - prefix) // block_size) * block_size
         per_request = (max_tokens - prefix) // stride
         if per_request < 2 or len(members) < 2:
-            single += members
+            single += [r for r, _ in members]
             continue
         segment = list(token_ids[prefix:]) + [token_ids[-1]] * (stride - (n - prefix))
         for start in range(0, len(members), per_request):
-            chunk = tuple(members[start : start + per_request])
+            chunk = members[start : start + per_request]
             if len(chunk) < 2:
-                single += chunk
+                single += [r for r, _ in chunk]
                 continue
-            entries = [e for e in _entries(chunk[0].payload) if e[1] < prefix]
-            for k, member in enumerate(chunk):
-                entries += [(s, pos + k * stride, key, a, b) for s, pos, key, a, b in _entries(member.payload)
-                            if pos >= prefix]
-            sites, positions, keys, a, b = zip(*entries)
-            payload = {
-                "rid": f"packed:{chunk[0].rid}",
-                "patch": {"site": pack_positions(sites), "pos": pack_positions(positions), "src": list(keys),
-                          "a": np.asarray(a, dtype=np.float32).tobytes(),
-                          "b": np.asarray(b, dtype=np.float32).tobytes()},
-                "kv": [list(x) for x in shared],
-                "kv_private": prefix,
-                "cells": {"rids": [m.rid for m in chunk], "prefix": prefix, "stride": stride, "length": n - prefix,
-                          "score": [m.payload["score"] for m in chunk]},
-            }
-            sampling = {**chunk[0].sampling, "extra_args": {PAYLOAD_KEY: payload}}
-            packed.append(PackedRequest(payload["rid"], list(token_ids[:prefix]) + segment * len(chunk), sampling,
-                                        chunk, prefix))
+            packed.append(_packed(chunk, token_ids, prefix, stride, shared, segment))
     return packed, single
+
+
+def _packed(chunk, token_ids, prefix: int, stride: int, shared: tuple, segment: list) -> PackedRequest:
+    """One request of ``chunk``'s cells: the entries before ``prefix`` once (the same in every cell), each cell's
+    own entries moved into its segment."""
+    sites, positions, keys, a, b = [], [], [], [], []
+    for k, (_, payload) in enumerate(chunk):
+        patch = payload["patch"]
+        pos = memoryview(patch["pos"]).cast("i").tolist()
+        site = memoryview(patch["site"]).cast("i").tolist()
+        pa, pb, src = memoryview(patch["a"]).cast("f").tolist(), memoryview(patch["b"]).cast("f").tolist(), patch["src"]
+        if k == 0:  # its entries before the prefix stand for every cell's
+            chosen = [i for i, p in enumerate(pos) if p < prefix]
+            sites += [site[i] for i in chosen]
+            positions += [pos[i] for i in chosen]
+            keys += [src[i] for i in chosen]
+            a += [pa[i] for i in chosen]
+            b += [pb[i] for i in chosen]
+        shift = k * stride
+        chosen = [i for i, p in enumerate(pos) if p >= prefix]
+        sites += [site[i] for i in chosen]
+        positions += [pos[i] + shift for i in chosen]
+        keys += [src[i] for i in chosen]
+        a += [pa[i] for i in chosen]
+        b += [pb[i] for i in chosen]
+    first = chunk[0][0]
+    payload = {
+        "rid": f"packed:{first.rid}",
+        "patch": {"site": pack_positions(sites), "pos": pack_positions(positions), "src": keys,
+                  "a": np.asarray(a, dtype=np.float32).tobytes(), "b": np.asarray(b, dtype=np.float32).tobytes()},
+        "kv": [list(x) for x in shared],
+        "kv_private": prefix,
+        "cells": {"rids": [r.rid for r, _ in chunk], "prefix": prefix, "stride": stride,
+                  "length": len(token_ids) - prefix, "score": [p["score"] for _, p in chunk]},
+    }
+    sampling = {**first.sampling, "extra_args": {PAYLOAD_KEY: payload}}
+    return PackedRequest(payload["rid"], list(token_ids[:prefix]) + segment * len(chunk), sampling,
+                         tuple(r for r, _ in chunk), prefix)

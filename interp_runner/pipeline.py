@@ -70,15 +70,16 @@ def _runnable(request: EngineRequest, by_rid: dict, results: dict) -> bool:
 def _ref_values(plan: Plan, keys: set[str], results: dict) -> dict[str, np.ndarray]:
     """Captured values behind source references; a missing one stays unregistered and its users are voided."""
     values = {}
+    index: dict[tuple[str, int], tuple | None] = {}  # (request, site) -> ({position: row}, values)
     for key in keys:
         rid, site, position = plan.refs[key]
-        found = results.get(rid)
-        got = found.captures.get(site) if found is not None else None
-        if got is None:
-            continue
-        at = np.flatnonzero(got[0] == position)
-        if at.size:
-            values[key] = got[1][at[0]]
+        if (rid, site) not in index:
+            found = results.get(rid)
+            got = found.captures.get(site) if found is not None else None  # positions are unique
+            index[rid, site] = None if got is None else ({p: i for i, p in enumerate(got[0].tolist())}, got[1])
+        entry = index[rid, site]
+        if entry is not None and position in entry[0]:
+            values[key] = entry[1][entry[0][position]]
     return values
 
 

@@ -22,7 +22,7 @@ def trace_engine(smollm2_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     sites = every_site(30)
-    eng = build_engine(smollm2_path, (), (), sites, 4096, dtype="bfloat16", enforce_eager=False,
+    eng = build_engine(smollm2_path, (), sites, sites, 4096, dtype="bfloat16", enforce_eager=False,
                        max_model_len=2048, max_num_seqs=64, kv_cache_memory_bytes=2 << 30)
     yield eng
     eng.close()

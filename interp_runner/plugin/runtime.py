@@ -90,7 +90,7 @@ class PinnedRing:
         array = np.ascontiguousarray(array)
         size = -(-array.nbytes // self.ALIGN) * self.ALIGN
         if size > self.buffer.numel():  # larger than the ring (or no ring): a plain copy
-            host = torch.from_numpy(array)
+            host = torch.from_numpy(array if array.flags.writeable else array.copy())
             return host.to(self.device) if into is None else into.copy_(host.view(into.shape))
         if self.offset + size > self.buffer.numel():
             self._synchronize()  # every copy out of the ring has run: its start may be rewritten
@@ -98,7 +98,7 @@ class PinnedRing:
             self.wraps += 1
         part = self.buffer[self.offset : self.offset + array.nbytes]
         self.offset += size
-        host = part.view(torch.from_numpy(array[:0]).dtype).view(array.shape)
+        host = part.view(torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype).view(array.shape)
         host.numpy()[...] = array
         if into is not None:
             return into.copy_(host.view(into.shape), non_blocking=True)
