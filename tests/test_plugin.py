@@ -285,6 +285,34 @@ def test_private_blocks_get_placeholder_hashes_and_stay_out_of_the_prefix_cache(
     assert masks == [[True, True, False, False], [False, False], None, [True, False, False, False]]
 
 
+def test_private_blocks_are_hashed_in_bulk_as_vllm_hashes_them_one_by_one():
+    """The request block hasher that makes a request's placeholders in one go gives the hashes vLLM's own hasher
+    gives with the interventions' extra keys and placeholders, before and after generated tokens."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+    from vllm.v1.request import Request
+
+    from interp_runner.plugin import prefix_cache as pc
+
+    pc.instrument_block_hashing()
+    kv_cache_utils.init_none_hash(sha256_cbor)
+    for private, n in [(None, 100), (0, 100), (17, 100), (32, 100), (99, 100), (50, 60), (64, 64), (192, 2000)]:
+        payload = {"rid": "x", "kv": [[3, 4, "noise"], [40, 41, "restore"]]}
+        if private is not None:
+            payload["kv_private"] = private
+        hashes = []
+        for factory in (kv_cache_utils.get_request_block_hasher, core.get_request_block_hasher):
+            request = Request(request_id="r-1", prompt_token_ids=list(range(n)), pooling_params=None,
+                              sampling_params=SamplingParams(max_tokens=20, extra_args={"interp": payload}),
+                              block_hasher=factory(16, sha256_cbor))
+            request.append_output_token_ids(list(range(20)))
+            hashes.append(list(request.block_hashes))
+        assert hashes[0] == hashes[1] and len(hashes[0]) == (n + 20) // 16, (private, n)
+    assert core.get_request_block_hasher is not kv_cache_utils.get_request_block_hasher
+
+
 def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_position_wins():
     from unittest import mock
 

@@ -76,8 +76,38 @@ def _without_private_blocks(original):
     return cache_full_blocks
 
 
+def _private_in_bulk(original_factory):
+    """vLLM's request block hasher, with a request's private blocks given their placeholders in one go."""
+    def get_request_block_hasher(hash_block_size, caching_hash_fn):
+        from vllm.v1.core import kv_cache_utils
+
+        hasher = original_factory(hash_block_size, caching_hash_fn)
+
+        def request_block_hasher(request):
+            _, private = _interventions(request)
+            if private < 0:
+                return hasher(request)
+            done, total = len(request.block_hashes), request.num_tokens // hash_block_size
+            first_private = private // hash_block_size
+            new, prev, mm = [], request.block_hashes[-1] if done else None, 0 if done == 0 else -1
+            for b in range(done, min(first_private, total)):  # shared blocks: as vLLM hashes them
+                start = b * hash_block_size
+                extra, mm = kv_cache_utils.generate_block_hash_extra_keys(request, start, start + hash_block_size, mm)
+                prev = kv_cache_utils.hash_block_tokens(
+                    caching_hash_fn, prev, request.all_token_ids[start : start + hash_block_size], extra)
+                new.append(prev)
+            head = f"{PRIVATE}:{request.request_id}:".encode()  # the placeholders hash_block_tokens gives
+            new += [head + b"%d" % (b * hash_block_size) for b in range(max(done, first_private), total)]
+            return new
+
+        return request_block_hasher
+
+    return get_request_block_hasher
+
+
 def instrument_block_hashing() -> None:
     from vllm.v1.core import block_pool, kv_cache_utils
+    from vllm.v1.engine import core
 
     original = kv_cache_utils.generate_block_hash_extra_keys
     if getattr(original, "_interp_wrapped", False):
@@ -87,3 +117,4 @@ def instrument_block_hashing() -> None:
     block_pool.generate_block_hash_extra_keys = wrapped  # cache events
     kv_cache_utils.hash_block_tokens = _private_placeholder(kv_cache_utils.hash_block_tokens)
     block_pool.BlockPool.cache_full_blocks = _without_private_blocks(block_pool.BlockPool.cache_full_blocks)
+    core.get_request_block_hasher = _private_in_bulk(core.get_request_block_hasher)

@@ -378,8 +378,12 @@ class InterpState:
             self._admit_patch(plan, payload["patch"])
         cells = payload.get("cells")
         if cells is not None:
+            scored: dict[bytes, np.ndarray] = {}  # cells of one fact score the same token ids
+            for ids in cells["score"]:
+                if ids not in scored:
+                    scored[ids] = unpack_positions(ids).astype(np.int64)
             plan.cells = CellLayout(int(cells["prefix"]), int(cells["stride"]), int(cells["length"]),
-                                    list(cells["rids"]), [unpack_positions(x).astype(np.int64) for x in cells["score"]])
+                                    list(cells["rids"]), [scored[ids] for ids in cells["score"]])
             if plan.void is not None:
                 self.voided.pop(plan.rid, None)
                 for rid in plan.cells.rids:
@@ -735,12 +739,14 @@ class InterpState:
         for kind, tensors, meta in pending:
             if kind == "score":
                 chosen, top_lp, top_id = (t.cpu().numpy() for t in tensors)
-                for j, (rid, tokens) in enumerate(meta):
-                    self.scores[rid] = {
-                        "token_ids": tokens.astype(np.int32),
-                        "logprobs": chosen[j, : len(tokens)].astype(np.float32),
-                        "top_id": int(top_id[j]), "top_logprob": float(top_lp[j]),
-                    }
+                chosen = chosen.astype(np.float32, copy=False)
+                as_int32: dict[int, np.ndarray] = {}  # cells of one fact share their token ids
+                for j, ((rid, tokens), lp, top) in enumerate(zip(meta, top_lp.tolist(), top_id.tolist())):
+                    ids = as_int32.get(id(tokens))
+                    if ids is None:
+                        ids = as_int32[id(tokens)] = tokens.astype(np.int32)
+                    self.scores[rid] = {"token_ids": ids, "logprobs": chosen[j, : len(ids)], "top_id": top,
+                                        "top_logprob": lp}
             else:
                 values = tensors[0].float().cpu().numpy()
                 for site, rid, chosen, offset in meta:
