@@ -229,6 +229,7 @@ class InterpState:
         self.voided: dict[str, str] = {}
         # a step with packed cells: its attention sequences (``plan_sequences``), and the cells it scores
         self.sequences: dict | None = None
+        self._packed: set[str] = set()  # worker ids of the admitted packed requests
         self.cell_scores: tuple[torch.Tensor, list] | None = None
         self.cell_hidden: torch.Tensor | None = None
 
@@ -396,7 +397,9 @@ class InterpState:
         self.forget_finished(runner.requests)
         for rid in req_ids:
             if rid not in self.requests:
-                self.requests[rid] = self._admit(runner.requests[rid])
+                plan = self.requests[rid] = self._admit(runner.requests[rid])
+                if plan is not None and plan.cells is not None:
+                    self._packed.add(rid)
         return [self.requests[rid] for rid in req_ids]
 
     def _admit_patch(self, plan: RequestPlan, patch: dict) -> None:
@@ -430,6 +433,7 @@ class InterpState:
 
     def forget_finished(self, live_requests) -> None:
         for rid in [r for r in self.requests if r not in live_requests]:
+            self._packed.discard(rid)
             plan = self.requests.pop(rid)
             if plan is not None:
                 self._release(plan)
@@ -626,6 +630,9 @@ class InterpState:
         of the prompt they stand for, and mark each cell's last prompt token for scoring. Other requests stay one
         sequence each; nothing changes in a step without packed cells."""
         self.sequences, self.cell_scores = None, None
+        requests, packed, batch = self.requests, self._packed, runner.input_batch
+        if not any(rid not in requests or rid in packed for rid in batch.req_ids[: batch.num_reqs]):
+            return  # the usual step (a decode step, say): every request admitted, none packed
         plans = self._plans(runner)
         if not any(p is not None and p.cells is not None for p in plans):
             return
