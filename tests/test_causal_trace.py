@@ -28,6 +28,15 @@ def trace_config(model="smollm2_135m", **trace) -> dict:
     }
 
 
+def run_packed(engine, config: dict, pack: bool):
+    """``run_plan`` with the engine's ``pack_cells`` set to ``pack`` for the run."""
+    kept, engine.pack_cells = engine.pack_cells, pack
+    try:
+        return run_plan(engine, config)
+    finally:
+        engine.pack_cells = kept
+
+
 def write_facts(tmp_path, rows) -> str:
     path = tmp_path / "facts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -220,11 +229,7 @@ def test_trace_grid_matches_hf_hooks(smollm2_engine, smollm2_path, pack):
     # packed on a CPU, each cell's segment is a 128-token block: fewer layers keep it quick
     layers = [0, 11, 29] if pack else LAYERS
     config = trace_config(noise={"samples": 1, "seed": 1}, layers=layers, plots=False)
-    smollm2_engine.pack_cells = pack
-    try:
-        plan, results = run_plan(smollm2_engine, config)
-    finally:
-        smollm2_engine.pack_cells = False
+    plan, results = run_packed(smollm2_engine, config, pack)
     ds = trace_dataset(plan, results)
     layout = plan.trace
     assert not ds["filtered"].any() and ds.attrs["voided"] == []
@@ -334,11 +339,7 @@ def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path):
     config["engine"]["max_model_len"] = 1024  # as the engine has
     results = {}
     for pack in (False, True):
-        tiny_engine.pack_cells = pack
-        try:
-            plan, results[pack] = run_plan(tiny_engine, config)
-        finally:
-            tiny_engine.pack_cells = False
+        plan, results[pack] = run_packed(tiny_engine, config, pack)
     n = len(plan.trace.facts[0].corrupt.token_ids)
     assert n > 256  # cells share prefixes of one and two CPU blocks (128 tokens)
     cells = [r.rid for r in plan.requests if r.meta.get("part") == "cell"]

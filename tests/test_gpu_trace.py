@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import build_engine, every_site, run_plan
-from test_causal_trace import hf_trace, trace_config
+from conftest import build_engine, every_site
+from test_causal_trace import hf_trace, run_packed, trace_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
 
@@ -34,11 +34,7 @@ def test_packed_cells_match_cells_alone_and_hf(trace_engine, smollm2_path):
     assert trace_engine.pack_cells  # the GPU default
     runs = {}
     for pack in (True, False):
-        trace_engine.pack_cells = pack
-        try:
-            plan, runs[pack] = run_plan(trace_engine, config)
-        finally:
-            trace_engine.pack_cells = True
+        plan, runs[pack] = run_packed(trace_engine, config, pack)
     cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
     for fact in plan.trace.facts:
         ids, subject = list(fact.clean.token_ids), list(fact.subject_positions)
