@@ -57,10 +57,25 @@ def config(tp: int, store: str, max_tokens: int = 4) -> dict:
     }
 
 
-def run_tp(tp: int, tmp_path, max_tokens: int) -> xr.Dataset:
+def trace_config(tp: int, store: str) -> dict:
+    """A causal trace with its cells packed into shared requests (as a GPU runs them)."""
+    return {
+        "model": {"name": "tiny_random"},
+        "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 8,
+                   "tensor_parallel_size": tp, "pack_cells": True},
+        "prompts": {"items": []},
+        "causal_trace": {"facts": str(REPO / "experiments" / "causal_trace" / "facts.jsonl"), "num_facts": 1,
+                         "kinds": ["resid", "mlp"], "layers": [0, 3], "window": 2, "noise": {"samples": 2},
+                         "filter": False, "plots": False},
+        "store": {"path": store},
+    }
+
+
+def run_tp(tp: int, tmp_path, max_tokens: int = 1, make_config=None) -> xr.Dataset:
     store = tmp_path / f"tp{tp}.zarr"
     cfg = tmp_path / f"tp{tp}.json"
-    cfg.write_text(json.dumps(config(tp, str(store), max_tokens)))
+    made = make_config(tp, str(store)) if make_config else config(tp, str(store), max_tokens)
+    cfg.write_text(json.dumps(made))
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{tp}"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0", "PYTHONPATH": str(REPO)}
     if tp > 1:
@@ -94,3 +109,15 @@ def test_tp2_matches_tp1_and_ranks_agree(tmp_path, max_tokens):
     role = list(two["role"].values)
     patched, baseline = role.index("patched"), role.index("baseline")
     assert abs(float(two["answer_logprob"][patched]) - float(two["answer_logprob"][baseline])) > 1e-3
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores for two ranks")
+def test_tp2_packed_trace_cells_match_tp1(tmp_path):
+    """Packed cells under TP = 2: each rank splits the packed requests into the same attention sequences (their
+    layout is folded into the checksum) and the grid is TP = 1's."""
+    one, two = run_tp(1, tmp_path, make_config=trace_config), run_tp(2, tmp_path, make_config=trace_config)
+    checksums = json.loads(json.dumps(two.attrs["engine"]["intervention_checksums"]))
+    assert len(checksums) == 2 and checksums[0] == checksums[1] and checksums[0]["steps"] > 0
+    a, b = one["restored_logprob_samples"].values, two["restored_logprob_samples"].values
+    assert np.isfinite(a).sum() == 2 * 2 * 2 * int(one["num_tokens"][0]) and two.attrs["voided"] == []
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * max(float(np.nanmax(np.abs(a))), 1.0))
