@@ -40,11 +40,6 @@ class PackedRequest:
     prefix: int
 
 
-def packable(request: EngineRequest) -> bool:
-    payload = request.payload
-    return payload is not None and _packable(request, payload)
-
-
 def _packable(request: EngineRequest, payload: dict) -> bool:
     sampling = request.sampling
     return (
@@ -95,20 +90,14 @@ def _packed(chunk, token_ids, prefix: int, stride: int, shared: tuple, segment: 
         pos = memoryview(patch["pos"]).cast("i").tolist()
         site = memoryview(patch["site"]).cast("i").tolist()
         pa, pb, src = memoryview(patch["a"]).cast("f").tolist(), memoryview(patch["b"]).cast("f").tolist(), patch["src"]
-        if k == 0:  # its entries before the prefix stand for every cell's
-            chosen = [i for i, p in enumerate(pos) if p < prefix]
-            sites += [site[i] for i in chosen]
-            positions += [pos[i] for i in chosen]
-            keys += [src[i] for i in chosen]
-            a += [pa[i] for i in chosen]
-            b += [pb[i] for i in chosen]
-        shift = k * stride
-        chosen = [i for i, p in enumerate(pos) if p >= prefix]
-        sites += [site[i] for i in chosen]
-        positions += [pos[i] + shift for i in chosen]
-        keys += [src[i] for i in chosen]
-        a += [pa[i] for i in chosen]
-        b += [pb[i] for i in chosen]
+        # the first cell's entries before the prefix stand for every cell's; then each cell's own, moved
+        chosen = [(i, 0) for i, p in enumerate(pos) if p < prefix] if k == 0 else []
+        chosen += [(i, k * stride) for i, p in enumerate(pos) if p >= prefix]
+        sites += [site[i] for i, _ in chosen]
+        positions += [pos[i] + shift for i, shift in chosen]
+        keys += [src[i] for i, _ in chosen]
+        a += [pa[i] for i, _ in chosen]
+        b += [pb[i] for i, _ in chosen]
     first = chunk[0][0]
     payload = {
         "rid": f"packed:{first.rid}",

@@ -708,21 +708,17 @@ class InterpState:
         if not self.is_result_rank:
             return
         rows = self.staging.upload(np.array([i for i, _, _ in pending], dtype=np.int64))
-        logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
-        top_lp, top_id = logprobs.max(dim=-1)
-        width = max(len(ids) for _, _, ids in pending)
-        ids = np.zeros((len(pending), width), dtype=np.int64)
-        for j, (_, _, tokens) in enumerate(pending):
-            ids[j, : len(tokens)] = tokens
-        chosen = logprobs.gather(1, self.staging.upload(ids))
-        self._keep("score", (chosen, top_lp, top_id), [(rid, tokens) for _, rid, tokens in pending])
+        self._keep_scores(logits.index_select(0, rows), [(rid, tokens) for _, rid, tokens in pending])
 
     def record_cell_scores(self, logits: torch.Tensor) -> None:
         """Scores of the packed cells whose last prompt token this step computed (``logits``: one row each)."""
         _, meta = self.cell_scores
         self.cell_scores = None
-        if not self.is_result_rank:
-            return
+        if self.is_result_rank:
+            self._keep_scores(logits, meta)
+
+    def _keep_scores(self, logits: torch.Tensor, meta: list[tuple[str, np.ndarray]]) -> None:
+        """Keep, per (request id, scored token ids) of ``meta``, its row of ``logits``' scores."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top_lp, top_id = logprobs.max(dim=-1)
         width = max(len(ids) for _, ids in meta)
