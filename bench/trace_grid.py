@@ -282,6 +282,84 @@ def profile_table(n: int, profile: dict) -> str:
     return "\n".join(lines)
 
 
+class Timeline:
+    """Host timestamps of one run's phases (``--timeline``): the named callables are wrapped while it runs."""
+
+    def __init__(self, engine):
+        import interp_runner.engine as engine_module
+        import interp_runner.pipeline as pipeline
+
+        core = engine.llm.llm_engine.engine_core
+        self.events: list[tuple[str, float, float]] = []
+        self.targets = [  # (owner, attribute, phase name)
+            (engine, "run", "stage"),
+            (pipeline, "_ref_values", "source values from captures"),
+            (engine, "register_sources", "sources to the workers"),
+            (engine_module, "pack_requests", "packing"),
+            (core, "add_request", "submit"),
+            (core, "get_output", "engine step"),
+            (engine, "_collect", "result collection"),
+        ]
+
+    def run(self, fn):
+        saved = []
+        for owner, name, what in self.targets:
+            original = getattr(owner, name)
+            saved.append((owner, name, original, name in getattr(owner, "__dict__", {})))
+            setattr(owner, name, self._wrap(original, what))
+        try:
+            t0 = time.perf_counter()
+            out = fn()
+            self.total = time.perf_counter() - t0
+            self.t0 = t0
+            return out
+        finally:
+            for owner, name, original, own in saved:
+                if own:
+                    setattr(owner, name, original)
+                else:
+                    delattr(owner, name)
+
+    def _wrap(self, fn, what):
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.events.append((what, t, time.perf_counter()))
+        return timed
+
+    def summary(self) -> list[dict]:
+        """Per stage and phase (a phase before a stage's run counts to that stage): first start, last end (ms from
+        the run's start), calls and summed time; for the stage itself, its three longest engine steps."""
+        stages = sorted((a - self.t0, b - self.t0) for what, a, b in self.events if what == "stage")
+        out: dict[tuple, dict] = {}
+        for what, a, b in self.events:
+            a, b = a - self.t0, b - self.t0
+            k = next((i for i, (_, end) in enumerate(stages) if a < end), len(stages))
+            name = f"stage {k}" if what == "stage" else what
+            row = out.setdefault((k, name), {"stage": k, "phase": name, "first_ms": 1e9, "last_ms": 0.0,
+                                             "calls": 0, "sum_ms": 0.0, "steps_ms": []})
+            row["first_ms"] = min(row["first_ms"], a * 1e3)
+            row["last_ms"] = max(row["last_ms"], b * 1e3)
+            row["calls"] += 1
+            row["sum_ms"] += (b - a) * 1e3
+            if what == "engine step":
+                out[k, name]["steps_ms"].append((b - a) * 1e3)
+        for row in out.values():
+            row["longest_steps_ms"] = sorted(row.pop("steps_ms"), reverse=True)[:3]
+        return sorted(out.values(), key=lambda r: (r["stage"], r["first_ms"]))
+
+
+def timeline_table(n: int, rows: list[dict], total: float) -> str:
+    lines = [f"{n} tokens: timeline of one run ({total * 1e3:.1f} ms), ms from its start"]
+    for r in rows:
+        extra = f" (longest {', '.join(f'{x:.1f}' for x in r['longest_steps_ms'])})" if r["longest_steps_ms"] else ""
+        lines.append(f"    {r['first_ms']:8.1f} .. {r['last_ms']:8.1f}  {r['sum_ms']:8.1f} ms in {r['calls']:4d}  "
+                     f"{r['phase']}{extra}")
+    return "\n".join(lines)
+
+
 # -- HF baseline ----------------------------------------------------------------------------------------
 
 
@@ -411,6 +489,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="default: 16 on GPU, the engine's on CPU")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more run per length under the profilers")
+    ap.add_argument("--timeline", action="store_true", help="one more run per length with its phases timed")
     ap.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "interp-bench"))
     ap.add_argument("--json", default="", help="write all numbers here")
     args = ap.parse_args(argv)
@@ -544,6 +623,11 @@ def main(argv=None) -> int:
                 abs_diff_clean_logprob=abs(clean_lp - hf_clean), abs_diff_corrupt_logprob=abs(corrupt_lp - hf_corrupt),
             )
             del hf
+        if args.timeline:
+            timeline = Timeline(engine)
+            timeline.run(lambda: ours_once(engine, clock, plan))
+            row["timeline"] = {"total_s": timeline.total, "phases": timeline.summary()}
+            print(timeline_table(n, row["timeline"]["phases"], timeline.total), flush=True)
         if args.profile:
             row["profile"] = profile_once(engine, clock, plan, on_gpu)
             print(profile_table(n, row["profile"]), flush=True)
@@ -557,6 +641,8 @@ def main(argv=None) -> int:
           f"medians of {args.repeats}; ours = execute() of the whole plan, stage1 = its cell stage; "
           f"max|dlp| = max |restored answer logprob, ours - HF| (informative)")
     for r in result["lengths"]:
+        if "timeline" in r:
+            print(timeline_table(r["tokens"], r["timeline"]["phases"], r["timeline"]["total_s"]))
         if "profile" in r:
             print(profile_table(r["tokens"], r["profile"]))
     print(table(result))
