@@ -287,13 +287,11 @@ class Timeline:
 
     def __init__(self, engine):
         import interp_runner.engine as engine_module
-        import interp_runner.pipeline as pipeline
 
         core = engine.llm.llm_engine.engine_core
         self.events: list[tuple[str, float, float]] = []
         self.targets = [  # (owner, attribute, phase name)
             (engine, "run", "stage"),
-            (pipeline, "_ref_values", "source values from captures"),
             (engine, "register_sources", "sources to the workers"),
             (engine_module, "pack_requests", "packing"),
             (core, "add_request", "submit"),

@@ -1,7 +1,7 @@
 """ROME-style causal tracing (Meng et al. 2022): compile a fact set into one batched sweep, and turn its scores
 into effect grids.
 
-Per fact: a clean run (stage 0) captures every state a restore needs and scores the answer; corrupted runs
+Per fact: a clean run (stage 0) keeps every state a restore needs on the workers and scores the answer; corrupted runs
 (Gaussian noise on the subject's token embeddings, or a counterfactual prompt) give the corrupt score. Stage 1
 holds every cell of the grid, each a corrupted run with clean states restored at one (kind, layer, token):
 ``resid`` restores the residual stream (``resid_hook``) of one layer, ``mlp`` / ``attn`` the MLP / attention
@@ -25,8 +25,8 @@ from .compiler import (
 from .config.errors import ConfigError
 from .config.schema import RunConfig, resolve_path
 from .models.facts import ModelFacts
-from .patching import align, capture_groups, run_digest, source_ref, span_positions
-from .payload import vector_key
+from .patching import align, keep_groups, run_digest, span_positions
+from .payload import ref_key, vector_key
 from .sites import site_id
 
 KIND_HOOK = {"mlp": "mlp_out", "attn": "attn_out"}
@@ -155,10 +155,10 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
         f = fact.index
         n = len(fact.clean.token_ids)
         condition = clean_rid(f) if trace.filter else None
-        capture = capture_groups({site: set(range(n)) for site in clean_sites})
-        requests.append(make_request(clean_rid(f), fact.clean, s, capture=capture, max_tokens=1,
-                                     meta={"fact": f, "part": "clean"}))
         run = run_digest(fact.clean, [])
+        keep = {"run": run, "groups": keep_groups({site: set(range(n)) for site in clean_sites})}
+        requests.append(make_request(clean_rid(f), fact.clean, s, keep=keep, max_tokens=1,
+                                     meta={"fact": f, "part": "clean"}))
         corrupt_entries = []
         if trace.corruption == "noise":
             noise = np.random.default_rng([trace.noise.seed, f]).standard_normal(
@@ -188,7 +188,7 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
                     for token, clean_pos in sorted(mapped.items()):
                         restore = []
                         for site in sites:
-                            ref = source_ref(run, site, clean_pos)
+                            ref = ref_key(run, site, clean_pos)
                             refs[ref] = (clean_rid(f), site, clean_pos)
                             restore.append((site, token, ref, 0.0, 1.0))
                         restored = {(site, token) for site, *_ in restore}

@@ -4,8 +4,9 @@ Each request carries its interventions in ``SamplingParams.extra_args`` (see ``i
 and patch sources are returned separately, keyed by content hash, to be registered on the workers.
 
 A plan runs in stages: stage 0 holds every prompt as written (steered, captured, scored); stage 1 the requests
-that patch in values captured in stage 0 (``Plan.refs`` says which capture each source reference reads), plus
-unpatched copies of their destinations run in the same batch (the noise floor).
+that patch in values stage 0 computed and the workers kept (``Plan.refs`` says which request, site and position
+each source reference stands for), plus unpatched copies of their destinations run in the same batch (the noise
+floor).
 """
 
 from __future__ import annotations
@@ -289,13 +290,17 @@ def make_request(
     meta: dict | None = None,
     condition: str | None = None,
     max_tokens: int | None = None,
+    keep: dict | None = None,
 ) -> EngineRequest:
-    """One engine request; ``patch`` entries are (site, position, source key, a, b)."""
+    """One engine request; ``patch`` entries are (site, position, source key, a, b); ``keep``: values the workers
+    keep as patch sources (``interp_runner.payload``)."""
     payload: dict = {"rid": rid}
     if steer:
         payload["steer"] = list(steer)
     if capture:
         payload["capture"] = list(capture)
+    if keep:
+        payload["keep"] = keep
     if patch:
         sites, positions, keys, a, b = zip(*patch)
         payload["patch"] = {
@@ -307,10 +312,11 @@ def make_request(
     ranges = kv_ranges(list(steer), list(patch), len(prompt.token_ids))
     if ranges:
         payload["kv"] = ranges
-    # a captured prompt position other than the last would be skipped by a prefix-cache hit
+    # a captured (or kept) prompt position other than the last would be skipped by a prefix-cache hit
+    read = [positions for _, positions, _ in capture] + [positions for _, positions in (keep or {}).get("groups", ())]
     reads_prompt = any(
         np.frombuffer(positions, dtype=np.int32).min(initial=len(prompt.token_ids)) < len(prompt.token_ids) - 1
-        for _, positions, _ in capture
+        for positions in read
     )
     sampling = dict(
         max_tokens=s.max_tokens if max_tokens is None else max_tokens,
@@ -331,6 +337,7 @@ def engine_spec_of(requests: Sequence[EngineRequest], bank_rows: int) -> EngineS
         p = r.payload or {}
         steer.update(e[0] for e in p.get("steer", ()))
         capture.update(s for e in p.get("capture", ()) for s in e[0])
+        capture.update(s for e in (p.get("keep") or {}).get("groups", ()) for s in e[0])  # kept through captures
         if "patch" in p:
             patch.update(np.frombuffer(p["patch"]["site"], dtype=np.int32).tolist())
     return EngineSpec(tuple(sorted(steer)), tuple(sorted(capture)), tuple(sorted(patch)), bank_rows)
@@ -378,11 +385,9 @@ def compile_plan(
     vectors, steer = compile_steering(cfg, prompts, facts, named, base)
     capture, layouts = compile_capture(cfg, prompts, facts)
     patching = compile_patching(cfg, prompts, facts, tokenize, named, base, steer)
-    for index, groups in patching.source_captures.items():
-        capture[index] = capture[index] + groups
-
     s = cfg.sampling
-    requests = [make_request(prompt_rid(p.index), p, s, steer[p.index], capture[p.index]) for p in prompts]
+    requests = [make_request(prompt_rid(p.index), p, s, steer[p.index], capture[p.index],
+                             keep=patching.keep.get(p.index)) for p in prompts]
     for copy in patching.copies:
         prompt = prompts[copy.prompt]
         rid = f"{prompt_rid(prompt.index)}-{copy.role[0]}{copy.spec:03d}"

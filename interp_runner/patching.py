@@ -16,7 +16,7 @@ import numpy as np
 
 from .config.errors import ConfigError
 from .config.schema import Span
-from .payload import REF_PREFIX, digest, pack_positions, vector_key
+from .payload import digest, pack_positions, ref_key, vector_key
 from .sites import site_id
 from .vectors import load_vector
 
@@ -35,7 +35,7 @@ class Patching:
     copies: list[PatchCopy] = field(default_factory=list)
     sources: dict[str, np.ndarray] = field(default_factory=dict)
     refs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
-    source_captures: dict[int, list] = field(default_factory=dict)  # prompt index -> capture groups
+    keep: dict[int, dict] = field(default_factory=dict)  # source prompt index -> its payload's "keep"
     skipped: list[dict] = field(default_factory=list)
 
 
@@ -92,20 +92,16 @@ def align(source_ids, dest_ids, positions) -> tuple[list[tuple[int, int]], list[
     return mapped, skipped
 
 
-def source_ref(run_digest: str, site: int, position: int) -> str:
-    return f"{REF_PREFIX}{run_digest}:{site}:{position}"
-
-
 def run_digest(prompt, steer: list) -> str:
     return digest([list(prompt.token_ids), sorted(steer)])
 
 
-def capture_groups(wanted: dict[int, set[int]]) -> list:
-    """{site: positions} -> capture groups, sites with the same positions together."""
+def keep_groups(wanted: dict[int, set[int]]) -> list:
+    """{site: positions} -> ``keep`` groups ``[sites, positions]``, sites with the same positions together."""
     by_positions: dict[tuple, list[int]] = defaultdict(list)
     for site, positions in sorted(wanted.items()):
         by_positions[tuple(sorted(positions))].append(site)
-    return [[sites, pack_positions(list(positions)), False] for positions, sites in by_positions.items()]
+    return [[sites, pack_positions(list(positions))] for positions, sites in by_positions.items()]
 
 
 def compile_patching(cfg, prompts, facts, tokenizer, named, base, steer) -> Patching:
@@ -148,7 +144,7 @@ def compile_patching(cfg, prompts, facts, tokenizer, named, base, steer) -> Patc
                 entries = []
                 for site in sites:
                     for dpos, spos in mapped:
-                        ref = source_ref(run, site, spos)
+                        ref = ref_key(run, site, spos)
                         out.refs[ref] = (prompt_rid(src.prompt), site, spos)
                         wanted[src.prompt][site].add(spos)
                         entries.append((site, dpos, ref, a, b))
@@ -156,5 +152,6 @@ def compile_patching(cfg, prompts, facts, tokenizer, named, base, steer) -> Patc
             if d not in with_baseline:
                 with_baseline.add(d)
                 out.copies.append(PatchCopy(i, d, "baseline", None, []))
-    out.source_captures = {index: capture_groups(sites) for index, sites in wanted.items()}
+    out.keep = {index: {"run": run_digest(prompts[index], steer[index]), "groups": keep_groups(sites)}
+                for index, sites in wanted.items()}
     return out

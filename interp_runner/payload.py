@@ -7,6 +7,8 @@ Request payload (msgpack-able)::
     {"rid": "r00003",                                   # stable id of the request in the plan
      "steer": [[site, phases, vector_key, scale], ...], # phases: PREFILL | DECODE bit mask
      "capture": [[sites, prompt_positions, generated]], # prompt_positions: int32 bytes
+     "keep": {"run": run_digest,                        # values kept on the workers as patch sources,
+              "groups": [[sites, prompt_positions]]},   #   keyed ref_key(run, site, position)
      "patch": {"site": int32 bytes, "pos": int32 bytes, # one entry per (site, position):
                "src": [source_key, ...],                #   value <- a * value + b * source
                "a": float32 bytes, "b": float32 bytes},
@@ -15,8 +17,10 @@ Request payload (msgpack-able)::
      "kv_private": int}                                 # KV from here on is this request's alone
 
 Steering vectors are registered on the workers once per engine, keyed by the sha256 of their float32 bytes;
-patch sources likewise, in a bank of rows that stays on the workers while requests use them. Before binding, a
-source key may be a reference ``ref:<run digest>:<site>:<position>`` to a value an earlier request captures.
+patch sources likewise, in a bank of rows that stays on the workers while requests use them. A source key may be
+a reference ``ref:<run digest>:<site>:<position>`` (``ref_key``) to a value an earlier request computes: that
+request's ``keep`` has the workers copy it into the bank on the device, in the step that computes it, where it
+stays until the runner releases the key.
 ``kv`` ranges (end -1: open) feed the prefix-cache block hashes, so KV is shared only between requests whose
 interventions up to the end of a block are the same; blocks reaching past ``kv_private`` are never shared.
 """
@@ -41,6 +45,12 @@ DECODE = 2
 def vector_key(vector: np.ndarray) -> str:
     data = np.ascontiguousarray(vector, dtype=np.float32).tobytes()
     return hashlib.sha256(data).hexdigest()[:32]
+
+
+def ref_key(run_digest: str, site: int, position: int) -> str:
+    """The source key of the value that the run ``run_digest`` (its tokens and steering) computes at ``site`` and
+    ``position``."""
+    return f"{REF_PREFIX}{run_digest}:{site}:{position}"
 
 
 def digest(obj) -> str:

@@ -67,20 +67,9 @@ def _runnable(request: EngineRequest, by_rid: dict, results: dict) -> bool:
     return done is not None and done.score is not None and bool(wanted) and done.score["top_id"] == wanted[0]
 
 
-def _ref_values(plan: Plan, keys: set[str], results: dict) -> dict[str, np.ndarray]:
-    """Captured values behind source references; a missing one stays unregistered and its users are voided."""
-    values = {}
-    index: dict[tuple[str, int], tuple | None] = {}  # (request, site) -> ({position: row}, values)
-    for key in keys:
-        rid, site, position = plan.refs[key]
-        if (rid, site) not in index:
-            found = results.get(rid)
-            got = found.captures.get(site) if found is not None else None  # positions are unique
-            index[rid, site] = None if got is None else ({p: i for i, p in enumerate(got[0].tolist())}, got[1])
-        entry = index[rid, site]
-        if entry is not None and position in entry[0]:
-            values[key] = entry[1][entry[0][position]]
-    return values
+def _keeps(request: EngineRequest) -> bool:
+    """Whether the request keeps values on the workers (patch sources of later stages)."""
+    return bool((request.payload or {}).get("keep"))
 
 
 def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bool = True,
@@ -88,43 +77,60 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
     """Run the plan's stages on ``engine``; results by request id (requests whose condition failed are absent).
 
     A stage is submitted in units of ``unit`` requests (default: the whole stage in one), so continuous batching
-    sees all of a unit; its patch sources stay registered on the workers until the whole stage has finished.
-    With a ``journal`` (``store.Journal``) each finished unit is recorded, and units it already holds are taken
-    from it instead of being run again; every unit then starts with an empty prefix cache, so a unit computes
-    the same whether or not the ones before it ran in this process."""
+    sees all of a unit; its patch sources stay registered on the workers until the whole stage has finished, and
+    the values stage 0 keeps on the workers (``Plan.refs``) until the plan has. With a ``journal``
+    (``store.Journal``) each finished unit is recorded, and units it already holds are taken from it instead of
+    being run again; every unit then starts with an empty prefix cache, so a unit computes the same whether or not
+    the ones before it ran in this process. A journaled unit that keeps values on the workers runs again (for the
+    values only) before the next unit that is not journaled."""
     if not engine.supports(plan.engine_spec):
         from .engine import EngineError
 
         raise EngineError("this engine was built for other interp sites than the plan needs")
     by_rid = {r.rid: r for r in plan.requests}
     results: dict = {}
-    for stage in range(plan.num_stages):
-        requests = [r for r in plan.requests if r.stage == stage and _runnable(r, by_rid, results)]
-        held = [r for r in plan.requests if r.stage == stage]
-        if len(requests) < len(held):
-            log(f"stage {stage}: {len(held) - len(requests)} requests left out (their clean run missed the answer)")
-        keys = {k for r in requests for k in ((r.payload or {}).get("patch") or {}).get("src", ())}
-        sources = {k: plan.sources[k] for k in keys if k in plan.sources}
-        sources.update(_ref_values(plan, keys & plan.refs.keys(), results))
-        engine.register_sources(sources)
-        size = unit or max(len(requests), 1)
-        units = [requests[i : i + size] for i in range(0, len(requests), size)]
-        try:
-            log(f"stage {stage}: {len(requests)} requests" + (f" in {len(units)} units" if len(units) > 1 else ""))
-            for k, part in enumerate(units):
-                done = journal.load(stage, k) if journal is not None else None
-                if done is not None and set(done) == {r.rid for r in part}:
-                    log(f"stage {stage} unit {k}: taken from the journal")
-                    results.update(done)
-                    continue
-                if journal is not None and hasattr(engine, "reset_prefix_cache"):
-                    engine.reset_prefix_cache()
-                out = engine.run(part, plan.vectors if stage == 0 else None, use_tqdm=use_tqdm)
-                if journal is not None:
-                    journal.record(stage, k, out)
-                results.update(out)
-        finally:
-            engine.release_sources(list(sources))
+    vectors = plan.vectors  # registered with the first requests that run
+    refill: list[list[EngineRequest]] = []  # journaled units whose kept values later units need
+    try:
+        for stage in range(plan.num_stages):
+            requests = [r for r in plan.requests if r.stage == stage and _runnable(r, by_rid, results)]
+            held = [r for r in plan.requests if r.stage == stage]
+            if len(requests) < len(held):
+                log(f"stage {stage}: {len(held) - len(requests)} requests left out (their clean run missed the answer)")
+            keys = {k for r in requests for k in ((r.payload or {}).get("patch") or {}).get("src", ())}
+            sources = {k: plan.sources[k] for k in keys if k in plan.sources}
+            engine.register_sources(sources)
+            size = unit or max(len(requests), 1)
+            units = [requests[i : i + size] for i in range(0, len(requests), size)]
+            try:
+                log(f"stage {stage}: {len(requests)} requests" + (f" in {len(units)} units" if len(units) > 1 else ""))
+                for k, part in enumerate(units):
+                    done = journal.load(stage, k) if journal is not None else None
+                    if done is not None and set(done) == {r.rid for r in part}:
+                        log(f"stage {stage} unit {k}: taken from the journal")
+                        results.update(done)
+                        if any(_keeps(r) for r in part):
+                            refill.append(part)
+                        continue
+                    for again in refill:  # as they ran (the same batch), so the values are the same
+                        log(f"stage {stage} unit {k}: a journaled unit of {len(again)} requests runs again first, "
+                            "for the values it keeps on the workers")
+                        if journal is not None and hasattr(engine, "reset_prefix_cache"):
+                            engine.reset_prefix_cache()
+                        engine.run(again, vectors, use_tqdm=False)
+                        vectors = None
+                    refill = []
+                    if journal is not None and hasattr(engine, "reset_prefix_cache"):
+                        engine.reset_prefix_cache()
+                    out = engine.run(part, vectors, use_tqdm=use_tqdm)
+                    vectors = None
+                    if journal is not None:
+                        journal.record(stage, k, out)
+                    results.update(out)
+            finally:
+                engine.release_sources(list(sources))
+    finally:
+        engine.release_sources(list(plan.refs))
     return results
 
 

@@ -149,15 +149,14 @@ def test_a_request_whose_source_is_missing_is_voided(tiny_engine):
     assert "not on the worker" in results[patched[0].rid].void
 
     class ForgetfulEngine:
-        """Drops the captures a stage-1 source needs, as if the clean run had lost them."""
+        """Drops the values the clean run kept on the workers once it has run, as if they had been lost."""
 
         def __getattr__(self, name):
             return getattr(tiny_engine, name)
 
         def run(self, requests, vectors=None, use_tqdm=True):
             out = tiny_engine.run(requests, vectors, use_tqdm)
-            for result in out.values():
-                result.captures.clear()
+            tiny_engine.release_sources(list(plan.refs))
             return out
 
     from interp_runner.store import results_dataset
@@ -167,6 +166,40 @@ def test_a_request_whose_source_is_missing_is_voided(tiny_engine):
     voided = [v["request"] for v in ds.attrs["voided"]]
     assert voided == [patched[0].rid]
     assert ds["status"].values.tolist() == ["done", "done", "void", "done"]
+
+
+def test_values_kept_on_the_workers_are_the_captured_values(tiny_engine):
+    """A source run keeps the values stage 1 patches in on the workers, written in the step that computes them:
+    the bank then holds exactly what a capture of the same sites and positions returns, through the capture
+    buffer (which holds a row captured and kept once) or, in a step that overflows it, copied directly. Released, they are freed once no request uses them."""
+    import torch
+
+    from interp_runner.plugin import runtime
+
+    config = base_config(prompts=scored(CLEAN, CORRUPT), sampling={"max_tokens": 1}, patching=[
+        {"prompts": [1], "source": {"prompt": 0}, "hook": "post_block", "layers": "all"}],
+        capture=[{"name": "clean", "hooks": ["post_block"], "layers": "all", "positions": "all_prompt",
+                  "prompts": [0]}])
+    plan = prepare(config).plan
+    source = plan.requests[0]
+    assert source.payload["keep"]["groups"] and len(plan.refs) == 4 * len(source.prompt.token_ids)
+    state = runtime.active_state()
+    for overflow in (False, True):
+        kept_buffer = state.cap_out
+        if overflow:
+            state.cap_out = torch.zeros((3, kept_buffer.shape[1]), dtype=kept_buffer.dtype)
+        try:
+            out = tiny_engine.run([source], use_tqdm=False)  # alone: a step of its rows, each captured and kept
+        finally:
+            state.cap_out = kept_buffer
+        for key, (rid, site, position) in plan.refs.items():
+            assert key not in state._unwritten
+            positions, values = out[rid].captures[site]
+            np.testing.assert_array_equal(state.bank[state.bank_rows[key]].numpy(), values[positions == position][0])
+        tiny_engine.release_sources(list(plan.refs))
+        assert plan.refs.keys() <= state._released
+    tiny_engine.run([plan.requests[1]], use_tqdm=False)  # a step that forgets the finished source run
+    assert not plan.refs.keys() & state.bank_rows.keys()
 
 
 def test_scores_are_exact_logprobs_whatever_the_rank(tiny_engine, tiny_path):

@@ -50,7 +50,9 @@ def test_a_killed_run_resumes_where_it_stopped_and_ends_identical(tmp_path):
     resumed = interp_run(*TRACE, f"store.path={store}", f"hydra.run.dir={tmp_path / 'r'}", "resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"{len(done)} unit(s) already done" in resumed.stdout
-    assert resumed.stdout.count("taken from the journal") == len(done)  # and none of them ran again
+    assert resumed.stdout.count("taken from the journal") == len(done)  # and none of them ran again,
+    # but the clean runs, for the values they keep on the workers for the cells still to run
+    assert resumed.stdout.count("runs again first, for the values it keeps") == 1
     assert status(store) == "complete" and not journal.exists()
     xr.testing.assert_equal(xr.open_zarr(str(store), consolidated=False), xr.open_zarr(str(full), consolidated=False))
 

@@ -9,7 +9,9 @@ pointing at them; each step only rewrites their contents:
   for its prompt tokens (base + prefill tiers) and one for generated tokens (base + decode tiers); requests with
   the same steering share them.
 
-- ``bank[row]``: patch source values (row 0 is zeros), registered by key and kept while requests use them;
+- ``bank[row]``: patch source values (row 0 is zeros), registered by key and kept while requests use them; a
+  request's ``keep`` values reach the bank through the capture op: their rows of ``cap_out`` are copied there on
+  the device after the step, and their keys count as registered from the next step on;
 - ``patch_idx / patch_coef / patch_mask [patch site, row]``: per batch row, the bank row and (a, b) of the patch
   applied there (``kernels.reference.patch_rows``); rows without a patch are masked out and keep their bits.
 
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, pack_results, unpack_positions
+from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, pack_results, ref_key, unpack_positions
 import interp_runner_kernels as kernels
 from interp_runner_kernels.reference import gather_rows
 
@@ -121,6 +123,9 @@ class RequestPlan:
     score_ids: np.ndarray | None = None
     void: str | None = None
     cells: CellLayout | None = None
+    # values kept in the bank: (sites, positions, lowest, highest, bank rows [site, position] (-1: not kept here),
+    # their keys)
+    keep: list[tuple[tuple[int, ...], np.ndarray, int, int, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass
@@ -196,6 +201,10 @@ class InterpState:
         self.bank_rows: dict[str, int] = {}
         self._bank_users: dict[str, int] = {}
         self._released: set[str] = set()
+        self._unwritten: set[str] = set()  # kept keys whose values no step has computed yet
+        self._keep_dest: tuple | None = None  # this step's kept values: (cap_out rows, bank rows)
+        self.keep_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # overflowing step: site -> (rows, bank)
+        self._keep_keys: list[np.ndarray] = []  # keys this step writes
         self._free_bank = list(range(self.bank.shape[0] - 1, 0, -1))
         self.pending_scores: list[tuple[int, str, np.ndarray]] = []
         self.staging = PinnedRing(STAGING_BYTES if self.device.type == "cuda" else 0, self.device)
@@ -240,10 +249,13 @@ class InterpState:
         return None if index is None else kernels.steer_add(x, self.table[index], self.row_slot)
 
     def _capture(self, site: int, out: torch.Tensor, extra: torch.Tensor | None) -> None:
-        if self.capture_rows:  # an overflowing step, outside the graphs
+        if self.capture_rows or self.keep_rows:  # an overflowing step, outside the graphs
             rows = self.capture_rows.get(site)
             if rows is not None:
                 self.captured.append((site, gather_rows(out, rows, extra)))
+            kept = self.keep_rows.get(site)
+            if kept is not None:
+                self.bank[kept[1]] = gather_rows(out, kept[0], extra)
             return
         k = self.capture_index.get(site)
         if k is not None:
@@ -312,8 +324,44 @@ class InterpState:
     def _free_source_if_unused(self, key: str) -> None:
         if key in self._released and not self._bank_users.get(key):
             self._released.discard(key)
+            self._unwritten.discard(key)
             self._bank_users.pop(key, None)
             self._free_bank.append(self.bank_rows.pop(key))
+
+    def _reserve_kept(self, plan: RequestPlan, keep: dict) -> None:
+        """Bank rows for the values a request keeps, written by the steps that compute them. A key already in the
+        bank stays (kept again if it was released) and keeps its row, written only if no step has yet (the same
+        computation); with the bank full, a key gets none, and requests that need it are voided."""
+        run, reserved = keep["run"], []
+        rows_in_bank, free = self.bank_rows, self._free_bank
+        for sites, positions in keep["groups"]:
+            positions = np.unique(unpack_positions(positions)).astype(np.int64)
+            if not len(positions):
+                continue
+            sites = tuple(int(x) for x in sites)
+            keys = [ref_key(run, site, p) for site in sites for p in positions.tolist()]
+            rows = []
+            for key in keys:
+                row = rows_in_bank.get(key)
+                if row is not None:
+                    self._released.discard(key)
+                    rows.append(row if key in self._unwritten else -1)
+                    continue
+                if not free:
+                    rows.append(-1)
+                    continue
+                rows_in_bank[key] = row = free.pop()
+                rows.append(row)
+                reserved.append(key)
+            shape = (len(sites), len(positions))
+            rows = np.array(rows, dtype=np.int64).reshape(shape)
+            plan.keep.append((sites, positions, int(positions[0]), int(positions[-1]), rows,
+                              np.array(keys, dtype=object).reshape(shape)))
+            self._fold(b"keep", np.array(sites), positions, rows)
+        self._unwritten.update(reserved)
+        for key in reserved:  # its writer uses it: the row is not freed under it
+            self._bank_users[key] = self._bank_users.get(key, 0) + 1
+        plan.bank_keys += tuple(reserved)
 
     def _acquire_slots(self, steer: list) -> tuple[tuple, int, int]:
         key = tuple(sorted((int(s), int(p), str(k), float(c)) for s, p, k, c in steer))
@@ -373,6 +421,8 @@ class InterpState:
             plan.steer_key, plan.prefill_slot, plan.decode_slot = self._acquire_slots(payload["steer"])
         if payload.get("capture"):
             plan.capture_groups = capture_groups(payload["capture"])
+        if payload.get("keep"):
+            self._reserve_kept(plan, payload["keep"])
         if payload.get("score") is not None:
             plan.score_ids = unpack_positions(payload["score"]).astype(np.int64)
         if payload.get("patch"):
@@ -405,7 +455,7 @@ class InterpState:
     def _admit_patch(self, plan: RequestPlan, patch: dict) -> None:
         keys = patch["src"]
         rows = self.bank_rows
-        missing = sorted({k for k in keys if k not in rows})
+        missing = sorted({k for k in keys if k not in rows or k in self._unwritten})
         if missing:  # never run it as if patched: it is reported void
             plan.void = f"{len(missing)} patch source(s) not on the worker, e.g. {missing[0]}"
             self.voided[plan.rid] = plan.void
@@ -427,8 +477,9 @@ class InterpState:
         base = [lookup[site] * self.max_rows + position for site, position in zip(sites, positions)]
         plan.patch = (positions, base, banks, a, b)
         plan.patch_span = (positions[0], positions[-1])
-        plan.bank_keys = tuple(set(keys))
-        for key in plan.bank_keys:
+        used = tuple(set(keys))
+        plan.bank_keys += used
+        for key in used:
             self._bank_users[key] = self._bank_users.get(key, 0) + 1
 
     def forget_finished(self, live_requests) -> None:
@@ -518,16 +569,21 @@ class InterpState:
             for _, _, generated, _, hi in plan.capture_groups:
                 if generated or hi >= done:
                     return False
+            if any(hi >= done for _, _, _, hi, _, _ in plan.keep):
+                return False
         return True
 
     def _plan_captures(self, plans, starts, computed) -> bool:
-        """Point each capture site at this step's rows; returns whether the step must run outside the graphs
-        (its rows do not fit ``cap_out``: they are then copied out directly)."""
+        """Point each capture site at this step's rows (those captured for the host, then those kept in the bank);
+        returns whether the step must run outside the graphs (its rows do not fit ``cap_out``: they are then
+        copied out directly)."""
         rows_by_site: dict[int, list[np.ndarray]] = defaultdict(list)
+        keep_by_site: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)  # (rows, bank rows)
+        kept_keys: list[np.ndarray] = []
         meta: list[tuple[int, str, np.ndarray, int]] = []
         total = 0
         for i, plan in enumerate(plans):
-            if plan is None or not plan.capture_groups:
+            if plan is None or not (plan.capture_groups or plan.keep):
                 continue
             first, count = int(computed[i]), int(starts[i + 1] - starts[i])
             end = first + count
@@ -545,12 +601,28 @@ class InterpState:
                     rows_by_site[site].append(rows)
                     meta.append((site, plan.rid, chosen, -1))
                     total += len(rows)
-        self.capture_rows = {}
+            for sites, positions, lo, hi, bank, keys in plan.keep:
+                if first > hi or end <= lo:
+                    continue
+                a, b = np.searchsorted(positions, (first, end))
+                rows = positions[a:b] - first + starts[i]
+                for j, site in enumerate(sites):
+                    dest, named = bank[j, a:b], keys[j, a:b]
+                    wanted = dest >= 0
+                    if not wanted.all():
+                        dest, named, site_rows = dest[wanted], named[wanted], rows[wanted]
+                    else:
+                        site_rows = rows
+                    if len(dest):
+                        keep_by_site[site].append((site_rows, dest))
+                        kept_keys.append(named)
+                        total += len(dest)
+        self.capture_rows, self.keep_rows, self._keep_dest, self._keep_keys = {}, {}, None, kept_keys
         if self._cap_count_dirty:
             self.cap_count.zero_()
             self._cap_count_dirty = False
         self._capture_meta = []
-        if not rows_by_site:
+        if not rows_by_site and not keep_by_site:
             return False
         if total > self.cap_out.shape[0]:
             device_rows: dict[bytes, torch.Tensor] = {}
@@ -560,22 +632,46 @@ class InterpState:
                 if key not in device_rows:
                     device_rows[key] = self.staging.upload(rows)
                 self.capture_rows[site] = device_rows[key]
+            for site, parts in keep_by_site.items():
+                rows, dest = np.concatenate([r for r, _ in parts]), np.concatenate([d for _, d in parts])
+                self.keep_rows[site] = (self.staging.upload(rows), self.staging.upload(dest))
+                self._fold(b"keep-direct", rows, dest)
             self._capture_meta = meta  # read in the order the sites' gathers append (see after_forward)
             self._fold(b"capture-direct", *(r for parts in rows_by_site.values() for r in parts))
             return True
-        # cap_out rows in site order; each site's rows in the order of its requests
-        flat_index, src, dest = [], [], []
+        # cap_out: the rows for the host first, in site order, each site's rows in the order of its requests; then
+        # the kept rows the host's do not hold already, in site order (a site copies a row once: at most the
+        # step's rows)
+        host_total = sum(len(r) for parts in rows_by_site.values() for r in parts)
+        flat_index, src, dest, keep_from, keep_to = [], [], [], [], []
         counts = np.zeros(self.cap_count.shape[0], dtype=np.int32)
-        first_row, offset = {}, 0
-        for site in sorted(rows_by_site):
+        first_row, offset, kept_offset = {}, 0, host_total
+        for site in sorted(rows_by_site.keys() | keep_by_site.keys()):
             k = self.capture_index[site]
-            rows = np.concatenate(rows_by_site[site])
-            counts[k] = len(rows)
-            flat_index.append(k * self.max_rows + np.arange(len(rows)))
-            src.append(rows)
-            dest.append(np.arange(offset, offset + len(rows)))
+            host = rows_by_site.get(site)
+            host = np.concatenate(host) if host else np.zeros(0, dtype=np.int64)
+            new = np.zeros(0, dtype=np.int64)
+            kept = keep_by_site.get(site)
+            if kept:
+                rows, bank = np.concatenate([r for r, _ in kept]), np.concatenate([d for _, d in kept])
+                at = np.full(len(rows), -1, dtype=np.int64)  # the cap_out row holding it already
+                if len(host):
+                    order = np.argsort(host)
+                    i = np.minimum(np.searchsorted(host, rows, sorter=order), len(host) - 1)
+                    found = host[order[i]] == rows
+                    at[found] = offset + order[i[found]]
+                fresh = at < 0
+                new = rows[fresh]
+                at[fresh] = np.arange(kept_offset, kept_offset + len(new))
+                keep_from.append(at)
+                keep_to.append(bank)
+            counts[k] = len(host) + len(new)
+            flat_index.append(k * self.max_rows + np.arange(counts[k]))
+            src += [host, new]
+            dest += [np.arange(offset, offset + len(host)), np.arange(kept_offset, kept_offset + len(new))]
             first_row[site] = offset
-            offset += len(rows)
+            offset += len(host)
+            kept_offset += len(new)
         for site, rid, chosen, _ in meta:
             self._capture_meta.append((site, rid, chosen, first_row[site]))
             first_row[site] += len(chosen)
@@ -584,7 +680,11 @@ class InterpState:
         self.cap_dest.view(-1)[flat] = self.staging.upload(np.concatenate(dest))
         self.staging.upload(counts, into=self.cap_count)
         self._cap_count_dirty = True
-        self._capture_total = offset
+        self._capture_total = host_total
+        if keep_to:
+            keep_from, keep_to = np.concatenate(keep_from), np.concatenate(keep_to)
+            self._keep_dest = (self.staging.upload(keep_from), self.staging.upload(keep_to))
+            self._fold(b"keep", keep_from, keep_to)
         self._fold(b"capture", counts, *src)
         return False
 
@@ -708,16 +808,16 @@ class InterpState:
         if not self.is_result_rank:
             return
         rows = self.staging.upload(np.array([i for i, _, _ in pending], dtype=np.int64))
-        self._keep_scores(logits.index_select(0, rows), [(rid, tokens) for _, rid, tokens in pending])
+        self._hold_scores(logits.index_select(0, rows), [(rid, tokens) for _, rid, tokens in pending])
 
     def record_cell_scores(self, logits: torch.Tensor) -> None:
         """Scores of the packed cells whose last prompt token this step computed (``logits``: one row each)."""
         _, meta = self.cell_scores
         self.cell_scores = None
         if self.is_result_rank:
-            self._keep_scores(logits, meta)
+            self._hold_scores(logits, meta)
 
-    def _keep_scores(self, logits: torch.Tensor, meta: list[tuple[str, np.ndarray]]) -> None:
+    def _hold_scores(self, logits: torch.Tensor, meta: list[tuple[str, np.ndarray]]) -> None:
         """Keep, per (request id, scored token ids) of ``meta``, its row of ``logits``' scores."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top_lp, top_id = logprobs.max(dim=-1)
@@ -726,9 +826,9 @@ class InterpState:
         for j, (_, tokens) in enumerate(meta):
             ids[j, : len(tokens)] = tokens
         chosen = logprobs.gather(1, self.staging.upload(ids))
-        self._keep("score", (chosen, top_lp, top_id), meta)
+        self._hold("score", (chosen, top_lp, top_id), meta)
 
-    def _keep(self, kind: str, tensors: tuple, meta: list) -> None:
+    def _hold(self, kind: str, tensors: tuple, meta: list) -> None:
         """Hold a step's results on the device (copies: the buffers they come from are rewritten next step);
         read them back once enough have gathered, or when results are collected."""
         tensors = tuple(t.clone() for t in tensors)
@@ -756,7 +856,16 @@ class InterpState:
                     self.results[rid][site].append((chosen, values[offset : offset + len(chosen)]))
 
     def after_forward(self) -> None:
-        """Keep this step's captured rows (copied on the device; read back in bulk by ``_read_back``)."""
+        """Keep this step's captured rows (copied on the device; read back in bulk by ``_read_back``); copy its
+        kept rows into the bank, whose keys then count as registered."""
+        if self._keep_dest is not None:
+            rows, bank_rows = self._keep_dest
+            self.bank[bank_rows] = self.cap_out[rows]
+            self._keep_dest = None
+        self.keep_rows = {}
+        for keys in self._keep_keys:
+            self._unwritten.difference_update(keys.tolist())
+        self._keep_keys = []
         if self.capture_rows:  # an overflowing step: its gathers were appended in site order
             captured, self.captured, self.capture_rows = self.captured, [], {}
             if self.is_result_rank and captured:
@@ -769,9 +878,9 @@ class InterpState:
                     for rid, chosen in by_site[site]:
                         meta.append((site, rid, chosen, offset))
                         offset += len(chosen)
-                self._keep("capture", (values,), meta)
+                self._hold("capture", (values,), meta)
         elif self._capture_meta and self.is_result_rank:
-            self._keep("capture", (self.cap_out[: self._capture_total],), self._capture_meta)
+            self._hold("capture", (self.cap_out[: self._capture_total],), self._capture_meta)
         self._capture_meta = []
 
     # -- the checksum of what was applied -------------------------------------------------------------
