@@ -287,13 +287,15 @@ class Timeline:
 
     def __init__(self, engine):
         import interp_runner.engine as engine_module
+        import interp_runner.packing as packing
 
         core = engine.llm.llm_engine.engine_core
         self.events: list[tuple[str, float, float]] = []
         self.targets = [  # (owner, attribute, phase name)
             (engine, "run", "stage"),
             (engine, "register_sources", "sources to the workers"),
-            (engine_module, "pack_requests", "packing"),
+            (engine_module, "group_cells", "grouping cells"),
+            (packing.CellGroup, "request", "packed requests made"),
             (core, "add_request", "submit"),
             (core, "get_output", "engine step"),
             (engine, "_collect", "result collection"),

@@ -13,7 +13,7 @@ import numpy as np
 from .compiler import EngineRequest
 from .config import ConfigError
 from .config.schema import EngineConfig
-from .packing import PackedRequest, pack_requests
+from .packing import PackedRequest, group_cells
 from .payload import EngineSpec, plugin_fingerprint, unpack_results
 from .plugin import ENABLE_ENV
 
@@ -203,54 +203,72 @@ class VllmEngine:
 
         engine = self.llm.llm_engine
         core = engine.engine_core
-        packed, single = [], list(requests)
+        config = engine.vllm_config
+        groups, single = [], list(requests)
         if self.pack_cells:
-            config = engine.vllm_config
             # room for the one token the engine generates
             limit = min(config.model_config.max_model_len - 1, config.scheduler_config.max_num_batched_tokens)
-            packed, single = pack_requests(requests, config.cache_config.block_size, limit)
-        submissions = [(r.rid, list(r.prompt.token_ids), r.sampling, r) for r in single]
-        submissions += [(p.rid, p.token_ids, p.sampling, p) for p in packed]
+            groups, single = group_cells(requests, config.cache_config.block_size, limit)
+
+        def submissions():
+            for r in single:
+                yield r.rid, list(r.prompt.token_ids), r.sampling, r
+            for group in groups:  # each packed request made as it is submitted
+                p = group.request()
+                yield p.rid, p.token_ids, p.sampling, p
+
+        # where the engine queues a step and returns (async scheduling, in this process), the first step starts
+        # once a quarter of a step's tokens are in: the GPU computes it while the rest is made and submitted
+        first_step = config.scheduler_config.max_num_batched_tokens // 4 if self._steps_overlap() else None
         processed: dict[str, object] = {}
         pending: dict[str, EngineRequest | PackedRequest] = {}
-        arrival = time.time()
-        for rid, token_ids, sampling, request in submissions:
-            settings = {k: v for k, v in sampling.items() if k != "extra_args"}
-            key = repr(sorted(settings.items()))
-            params = processed.get(key)
-            if params is None:
-                params = engine.input_processor.process_inputs(
-                    rid, {"prompt_token_ids": token_ids}, SamplingParams(**settings),
-                    supported_tasks=engine.get_supported_tasks(),
-                ).sampling_params
-                processed[key] = params
-            params = copy.copy(params)
-            params.extra_args = sampling.get("extra_args")
-            self._serial += 1
-            internal = f"{rid}-{self._serial:08x}"
-            pending[internal] = request
-            core.add_request(EngineCoreRequest(
-                request_id=internal, prompt_token_ids=token_ids, mm_features=None,
-                sampling_params=params, pooling_params=None, arrival_time=arrival, lora_request=None,
-                cache_salt=None, data_parallel_rank=None, external_req_id=rid,
-            ))
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[float]] = {}
         cached: dict[str, int] = {}
         done: set[str] = set()
+
+        def take(outputs) -> None:
+            for out in outputs.outputs:
+                if out.request_id not in pending:
+                    continue
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    logprobs.setdefault(out.request_id, []).extend(
+                        float(x) for x in np.asarray(out.new_logprobs.logprobs)[:, 0])
+                if out.prefill_stats is not None:
+                    cached[out.request_id] = int(out.prefill_stats.num_cached_tokens)
+                if out.finished:
+                    done.add(out.request_id)
+
+        arrival = time.time()
+        submitted = 0
         try:
+            for rid, token_ids, sampling, request in submissions():
+                settings = {k: v for k, v in sampling.items() if k != "extra_args"}
+                key = repr(sorted(settings.items()))
+                params = processed.get(key)
+                if params is None:
+                    params = engine.input_processor.process_inputs(
+                        rid, {"prompt_token_ids": token_ids}, SamplingParams(**settings),
+                        supported_tasks=engine.get_supported_tasks(),
+                    ).sampling_params
+                    processed[key] = params
+                params = copy.copy(params)
+                params.extra_args = sampling.get("extra_args")
+                self._serial += 1
+                internal = f"{rid}-{self._serial:08x}"
+                pending[internal] = request
+                core.add_request(EngineCoreRequest(
+                    request_id=internal, prompt_token_ids=token_ids, mm_features=None,
+                    sampling_params=params, pooling_params=None, arrival_time=arrival, lora_request=None,
+                    cache_salt=None, data_parallel_rank=None, external_req_id=rid,
+                ))
+                submitted += len(token_ids)
+                if first_step is not None and submitted >= first_step:
+                    take(core.get_output())
+                    first_step = None
             while len(done) < len(pending):
-                for out in core.get_output().outputs:
-                    if out.request_id not in pending:
-                        continue
-                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                    if out.new_logprobs is not None:
-                        logprobs.setdefault(out.request_id, []).extend(
-                            float(x) for x in np.asarray(out.new_logprobs.logprobs)[:, 0])
-                    if out.prefill_stats is not None:
-                        cached[out.request_id] = int(out.prefill_stats.num_cached_tokens)
-                    if out.finished:
-                        done.add(out.request_id)
+                take(core.get_output())
         except BaseException:
             core.abort_requests([k for k in pending if k not in done])
             raise
@@ -282,6 +300,12 @@ class VllmEngine:
                 ids, chosen = ([score["top_id"]], [score["top_logprob"]]) if score else ([], [])
                 results[member.rid] = result(member, ids, chosen, min(cached.get(internal, 0), request.prefix))
         return results
+
+    def _steps_overlap(self) -> bool:
+        """Whether the engine core runs in this process and queues a step without waiting for it (vLLM's async
+        scheduling): then submitting more requests overlaps the GPU's work."""
+        inner = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        return inner is not None and getattr(inner, "batch_queue", None) is not None
 
     def _collect(self, rids: list[str]) -> dict:
         """Per-request results from the result rank, after checking that every rank applied the same."""

@@ -48,11 +48,59 @@ def _packable(request: EngineRequest, payload: dict) -> bool:
     )
 
 
-def pack_requests(requests: Sequence[EngineRequest], block_size: int, max_tokens: int
-                  ) -> tuple[list[PackedRequest], list[EngineRequest]]:
-    """(packed requests, requests left as they are). A packed request holds at most ``max_tokens`` tokens and at
-    least two cells."""
+@dataclass(frozen=True)
+class CellGroup:
+    """Cells that go into one packed request (made by ``request()``, when it is submitted)."""
+
+    members: tuple[tuple[EngineRequest, dict], ...]  # (cell, its payload)
+    token_ids: tuple[int, ...]
+    prefix: int
+    stride: int
+    shared: tuple
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefix + len(self.members) * self.stride
+
+    def request(self) -> PackedRequest:
+        """One request of the cells: the entries before ``prefix`` once (the same in every cell), each cell's own
+        entries moved into its segment."""
+        prefix, stride, members = self.prefix, self.stride, self.members
+        patches = [payload["patch"] for _, payload in members]
+        pos = [np.frombuffer(x["pos"], dtype=np.int32) for x in patches]
+        cell = np.repeat(np.arange(len(pos)), [len(x) for x in pos])
+        pos = np.concatenate(pos)
+        own = pos >= prefix
+        chosen = own | (cell == 0)  # the first cell's entries before the prefix stand for every cell's
+        where = np.flatnonzero(chosen)
+        moved = (pos + np.where(own, cell * stride, 0))[where]
+        site, a, b = (np.concatenate([np.frombuffer(x[f], dtype=dtype) for x in patches])[where]
+                      for f, dtype in (("site", np.int32), ("a", np.float32), ("b", np.float32)))
+        keys = [key for x in patches for key in x["src"]]
+        keys = keys if len(where) == len(keys) else [keys[i] for i in where.tolist()]
+        first = members[0][0]
+        n = len(self.token_ids)
+        payload = {
+            "rid": f"packed:{first.rid}",
+            "patch": {"site": site.tobytes(), "pos": moved.astype(np.int32).tobytes(), "src": keys,
+                      "a": a.tobytes(), "b": b.tobytes()},
+            "kv": [list(x) for x in self.shared],
+            "kv_private": prefix,
+            "cells": {"rids": [r.rid for r, _ in members], "prefix": prefix, "stride": stride,
+                      "length": n - prefix, "score": [x["score"] for _, x in members]},
+        }
+        segment = list(self.token_ids[prefix:]) + [self.token_ids[-1]] * (stride - (n - prefix))
+        sampling = {**first.sampling, "extra_args": {PAYLOAD_KEY: payload}}
+        return PackedRequest(payload["rid"], list(self.token_ids[:prefix]) + segment * len(members), sampling,
+                             tuple(r for r, _ in members), prefix)
+
+
+def group_cells(requests: Sequence[EngineRequest], block_size: int, max_tokens: int
+                ) -> tuple[list[CellGroup], list[EngineRequest]]:
+    """(groups of cells, one packed request each, in the order of their first cell; requests left as they are).
+    A group holds at most ``max_tokens`` tokens and at least two cells."""
     groups: dict[tuple, list[tuple[EngineRequest, dict]]] = {}
+    prompts: dict[int, tuple[int, ...]] = {}  # cells of a fact share their prompt's token tuple: keyed by its id
     single: list[EngineRequest] = []
     for r in requests:
         payload = r.payload
@@ -62,52 +110,28 @@ def pack_requests(requests: Sequence[EngineRequest], block_size: int, max_tokens
         prefix = payload["kv_private"] // block_size * block_size
         shared = tuple(tuple(x) for x in payload["kv"] if x[0] < prefix)
         settings = tuple(sorted((k, v) for k, v in r.sampling.items() if k != "extra_args"))
-        groups.setdefault((r.prompt.token_ids, prefix, shared, settings), []).append((r, payload))
-    packed = []
-    for (token_ids, prefix, shared, _), members in groups.items():
-        n = len(token_ids)
-        stride = -(-(n - prefix) // block_size) * block_size
+        token_ids = r.prompt.token_ids
+        prompts.setdefault(id(token_ids), token_ids)
+        groups.setdefault((id(token_ids), prefix, shared, settings), []).append((r, payload))
+    out = []
+    for (prompt, prefix, shared, _), members in groups.items():
+        token_ids = prompts[prompt]
+        stride = -(-(len(token_ids) - prefix) // block_size) * block_size
         per_request = (max_tokens - prefix) // stride
         if per_request < 2 or len(members) < 2:
             single += [r for r, _ in members]
             continue
-        segment = list(token_ids[prefix:]) + [token_ids[-1]] * (stride - (n - prefix))
         for start in range(0, len(members), per_request):
             chunk = members[start : start + per_request]
             if len(chunk) < 2:
                 single += [r for r, _ in chunk]
                 continue
-            packed.append(_packed(chunk, token_ids, prefix, stride, shared, segment))
-    return packed, single
+            out.append(CellGroup(tuple(chunk), token_ids, prefix, stride, shared))
+    return out, single
 
 
-def _packed(chunk, token_ids, prefix: int, stride: int, shared: tuple, segment: list) -> PackedRequest:
-    """One request of ``chunk``'s cells: the entries before ``prefix`` once (the same in every cell), each cell's
-    own entries moved into its segment."""
-    sites, positions, keys, a, b = [], [], [], [], []
-    for k, (_, payload) in enumerate(chunk):
-        patch = payload["patch"]
-        pos = memoryview(patch["pos"]).cast("i").tolist()
-        site = memoryview(patch["site"]).cast("i").tolist()
-        pa, pb, src = memoryview(patch["a"]).cast("f").tolist(), memoryview(patch["b"]).cast("f").tolist(), patch["src"]
-        # the first cell's entries before the prefix stand for every cell's; then each cell's own, moved
-        chosen = [(i, 0) for i, p in enumerate(pos) if p < prefix] if k == 0 else []
-        chosen += [(i, k * stride) for i, p in enumerate(pos) if p >= prefix]
-        sites += [site[i] for i, _ in chosen]
-        positions += [pos[i] + shift for i, shift in chosen]
-        keys += [src[i] for i, _ in chosen]
-        a += [pa[i] for i, _ in chosen]
-        b += [pb[i] for i, _ in chosen]
-    first = chunk[0][0]
-    payload = {
-        "rid": f"packed:{first.rid}",
-        "patch": {"site": pack_positions(sites), "pos": pack_positions(positions), "src": keys,
-                  "a": np.asarray(a, dtype=np.float32).tobytes(), "b": np.asarray(b, dtype=np.float32).tobytes()},
-        "kv": [list(x) for x in shared],
-        "kv_private": prefix,
-        "cells": {"rids": [r.rid for r, _ in chunk], "prefix": prefix, "stride": stride,
-                  "length": len(token_ids) - prefix, "score": [p["score"] for _, p in chunk]},
-    }
-    sampling = {**first.sampling, "extra_args": {PAYLOAD_KEY: payload}}
-    return PackedRequest(payload["rid"], list(token_ids[:prefix]) + segment * len(chunk), sampling,
-                         tuple(r for r, _ in chunk), prefix)
+def pack_requests(requests: Sequence[EngineRequest], block_size: int, max_tokens: int
+                  ) -> tuple[list[PackedRequest], list[EngineRequest]]:
+    """(packed requests, requests left as they are): ``group_cells``, each group made a request."""
+    groups, single = group_cells(requests, block_size, max_tokens)
+    return [g.request() for g in groups], single

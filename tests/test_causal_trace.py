@@ -331,15 +331,26 @@ def test_cells_pack_into_block_aligned_segments_after_their_shared_prefix(tmp_pa
 
 
 @pytest.mark.engine
-def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path):
+def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path, monkeypatch):
     """Cells packed into shared requests (prefix, chunked steps, segments at their prompt's positions) give the
-    scores the same cells give as requests of their own."""
+    scores the same cells give as requests of their own; also when the first step starts before every packed
+    request is submitted (as where vLLM queues steps: GPUs)."""
     config = trace_config("tiny_random", kinds=["resid", "mlp"], layers=[0, 3], window=2, noise={"samples": 2},
                           filter=False, facts=long_fact(tmp_path, 34))
     config["engine"]["max_model_len"] = 1024  # as the engine has
     results = {}
     for pack in (False, True):
         plan, results[pack] = run_packed(tiny_engine, config, pack)
+    core, calls = tiny_engine.llm.llm_engine.engine_core, []
+    for name in ("add_request", "get_output"):
+        monkeypatch.setattr(core, name, lambda *a, _f=getattr(core, name), _n=name: calls.append(_n) or _f(*a))
+    monkeypatch.setattr(tiny_engine, "_steps_overlap", lambda: True)
+    _, early = run_packed(tiny_engine, config, True)
+    cells_submitted = calls[calls.index("add_request", calls.index("get_output")):]  # after stage 0's steps
+    last_add = len(cells_submitted) - 1 - cells_submitted[::-1].index("add_request")
+    assert cells_submitted.index("get_output") < last_add  # a step ran before the last cells were submitted
+    for rid, result in early.items():
+        np.testing.assert_allclose(result.score["logprobs"], results[True][rid].score["logprobs"], atol=1e-4, rtol=0)
     n = len(plan.trace.facts[0].corrupt.token_ids)
     assert n > 256  # cells share prefixes of one and two CPU blocks (128 tokens)
     cells = [r.rid for r in plan.requests if r.meta.get("part") == "cell"]
