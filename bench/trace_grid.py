@@ -262,7 +262,10 @@ def profile_once(engine, clock: StageClock, plan, on_gpu: bool) -> dict:
                 got = host.setdefault(what, {"s": 0.0, "calls": 0})
                 got["s"] += tottime if "self time" in what else cumtime
                 got["calls"] += ncalls
-    out["host"] = {"wall_s_under_cprofile": wall, "parts": host}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:40]  # by self time
+    out["host"] = {"wall_s_under_cprofile": wall, "parts": host,
+                   "top_self_time": [(f"{Path(f).name}:{line}:{func}", tt, ct, nc)
+                                     for (f, line, func), (_, nc, tt, ct, _) in top]}
     return out
 
 
@@ -279,6 +282,9 @@ def profile_table(n: int, profile: dict) -> str:
         part = host["parts"].get(what)
         if part:
             lines.append(f"    {part['s'] * 1e3:8.1f} ms  {what} ({part['calls']} calls)")
+    lines.append(f"{n} tokens: host functions by self time (cProfile)")
+    lines += [f"    {tt * 1e3:8.1f} ms self {ct * 1e3:8.1f} ms cumulative {nc:7d} calls  {name}"
+              for name, tt, ct, nc in host.get("top_self_time", [])[:25]]
     return "\n".join(lines)
 
 

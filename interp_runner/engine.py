@@ -217,9 +217,9 @@ class VllmEngine:
                 p = group.request()
                 yield p.rid, p.token_ids, p.sampling, p
 
-        # where the engine queues a step and returns (async scheduling, in this process), the first step starts
-        # once a quarter of a step's tokens are in: the GPU computes it while the rest is made and submitted
-        first_step = config.scheduler_config.max_num_batched_tokens // 4 if self._steps_overlap() else None
+        # where the engine queues a step and returns (async scheduling, in this process), a step starts as soon as
+        # a step's worth of tokens is in: the GPU computes it while the next ones are made and submitted
+        step_tokens = config.scheduler_config.max_num_batched_tokens if self._steps_overlap() else None
         processed: dict[str, object] = {}
         pending: dict[str, EngineRequest | PackedRequest] = {}
         tokens: dict[str, list[int]] = {}
@@ -264,9 +264,9 @@ class VllmEngine:
                     cache_salt=None, data_parallel_rank=None, external_req_id=rid,
                 ))
                 submitted += len(token_ids)
-                if first_step is not None and submitted >= first_step:
+                if step_tokens is not None and submitted >= step_tokens:
                     take(core.get_output())
-                    first_step = None
+                    submitted = 0
             while len(done) < len(pending):
                 take(core.get_output())
         except BaseException:
@@ -295,10 +295,20 @@ class VllmEngine:
                                               cached.get(internal, 0))
                 continue
             # a packed cell's token is its greedy choice: the top token its score read
+            cached_tokens = min(cached.get(internal, 0), request.prefix)
             for member in request.members:
-                score = collected.get(member.rid, {}).get("score")
-                ids, chosen = ([score["top_id"]], [score["top_logprob"]]) if score else ([], [])
-                results[member.rid] = result(member, ids, chosen, min(cached.get(internal, 0), request.prefix))
+                worker = collected.get(member.rid) or {}
+                score = worker.get("score")
+                if score is None:
+                    results[member.rid] = result(member, [], [], cached_tokens)
+                    continue
+                top = score["top_id"]
+                text = texts.get((top,))
+                if text is None:
+                    text = texts[(top,)] = decode([top], skip_special_tokens=True)
+                results[member.rid] = RequestResult(
+                    member.rid, member.prompt.index, [top], text, [score["top_logprob"]], None,
+                    worker.get("captures") or {}, score, worker.get("void"), cached_tokens)
         return results
 
     def _steps_overlap(self) -> bool:
