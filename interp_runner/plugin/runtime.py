@@ -332,7 +332,7 @@ class InterpState:
         """Bank rows for the values a request keeps, written by the steps that compute them. A key already in the
         bank stays (kept again if it was released) and keeps its row, written only if no step has yet (the same
         computation); with the bank full, a key gets none, and requests that need it are voided."""
-        run, reserved = keep["run"], []
+        run, reserved, writes = keep["run"], [], []
         rows_in_bank, free = self.bank_rows, self._free_bank
         for sites, positions in keep["groups"]:
             positions = np.unique(unpack_positions(positions)).astype(np.int64)
@@ -345,7 +345,11 @@ class InterpState:
                 row = rows_in_bank.get(key)
                 if row is not None:
                     self._released.discard(key)
-                    rows.append(row if key in self._unwritten else -1)
+                    if key in self._unwritten:
+                        rows.append(row)
+                        writes.append(key)
+                    else:
+                        rows.append(-1)
                     continue
                 if not free:
                     rows.append(-1)
@@ -353,15 +357,16 @@ class InterpState:
                 rows_in_bank[key] = row = free.pop()
                 rows.append(row)
                 reserved.append(key)
+                writes.append(key)
             shape = (len(sites), len(positions))
             rows = np.array(rows, dtype=np.int64).reshape(shape)
             plan.keep.append((sites, positions, int(positions[0]), int(positions[-1]), rows,
                               np.array(keys, dtype=object).reshape(shape)))
             self._fold(b"keep", np.array(sites), positions, rows)
         self._unwritten.update(reserved)
-        for key in reserved:  # its writer uses it: the row is not freed under it
+        for key in writes:  # a writer uses its rows: none is freed under it
             self._bank_users[key] = self._bank_users.get(key, 0) + 1
-        plan.bank_keys += tuple(reserved)
+        plan.bank_keys += tuple(writes)
 
     def _acquire_slots(self, steer: list) -> tuple[tuple, int, int]:
         key = tuple(sorted((int(s), int(p), str(k), float(c)) for s, p, k, c in steer))
