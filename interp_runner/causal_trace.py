@@ -145,8 +145,9 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
                          trace.corruption, std, trace.filter)
     s = cfg.sampling
     embed_site = site_id(0, "pre_attn")
-    restore_hooks = {trace.resid_hook if k == "resid" else KIND_HOOK[k] for k in trace.kinds}
-    clean_sites = sorted(site_id(lay, hook) for hook in restore_hooks for lay in range(facts_.num_layers))
+    # the sites some restore reads: the clean runs keep their values there (at the positions cells restore)
+    restored_sites = sorted({site for kind in trace.kinds for layer in layers
+                             for site in layout.restore_sites(kind, layer, trace.resid_hook)})
 
     requests: list[EngineRequest] = []
     sources: dict[str, np.ndarray] = {}
@@ -156,7 +157,8 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
         n = len(fact.clean.token_ids)
         condition = clean_rid(f) if trace.filter else None
         run = run_digest(fact.clean, [])
-        keep = {"run": run, "groups": keep_groups({site: set(range(n)) for site in clean_sites})}
+        mapped = dict(align(fact.clean.token_ids, fact.corrupt.token_ids, range(len(fact.corrupt.token_ids)))[0])
+        keep = {"run": run, "groups": keep_groups({site: set(mapped.values()) for site in restored_sites})}
         requests.append(make_request(clean_rid(f), fact.clean, s, keep=keep, max_tokens=1,
                                      meta={"fact": f, "part": "clean"}))
         corrupt_entries = []
@@ -174,7 +176,6 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
                 corrupt_entries.append(entries)
         else:
             corrupt_entries.append([])
-        mapped = dict(align(fact.clean.token_ids, fact.corrupt.token_ids, range(len(fact.corrupt.token_ids)))[0])
         for sample, noise_entries in enumerate(corrupt_entries):
             meta = {"fact": f, "part": "corrupt", "sample": sample}
             requests.append(make_request(corrupt_rid(f, sample), fact.corrupt, s, patch=noise_entries, max_tokens=1,

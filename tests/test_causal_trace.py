@@ -82,6 +82,23 @@ def test_the_grid_compiles_into_one_batched_stage():
     assert all("kv_private" not in (r.payload or {}) for r in plan.requests if r.meta.get("part") != "cell")
 
 
+def test_clean_runs_keep_exactly_the_values_cells_restore():
+    """Each clean run keeps on the workers the (site, position) values its fact's cells restore, and nothing
+    more: the bank is sized for those (``Plan.refs``) and the plan releases them."""
+    from interp_runner.payload import ref_key, unpack_positions
+
+    plan = prepare(trace_config("tiny_random", kinds=["resid", "mlp", "attn"], layers=[0, 3], window=2,
+                                noise={"samples": 1})).plan
+    kept = set()
+    for r in plan.requests:
+        keep = (r.payload or {}).get("keep")
+        if keep:
+            kept |= {ref_key(keep["run"], site, p) for sites, positions in keep["groups"] for site in sites
+                     for p in unpack_positions(positions).tolist()}
+    assert kept == set(plan.refs)
+    assert plan.engine_spec.bank_rows == len(plan.refs) + len(plan.sources)
+
+
 def test_noise_scale_is_k_times_the_subject_embedding_std(smollm2_path):
     from interp_runner.models.facts import embedding_rows
 
