@@ -241,9 +241,10 @@ def trace_dataset(plan: Plan, results: dict, tokenizer=None):
     layer_index = {lay: i for i, lay in enumerate(layout.layers)}
     for request in plan.requests:
         result = results.get(request.rid)
+        if result is not None and result.void:  # its patches were not applied: never a restored score
+            voided.append({"request": request.rid, "reason": result.void})
+            continue
         if result is None or result.score is None:
-            if result is not None and result.void:
-                voided.append({"request": request.rid, "reason": result.void})
             continue
         lps = result.score["logprobs"]
         answer, foil = float(lps[0]), float(lps[1]) if len(lps) > 1 else np.nan

@@ -99,6 +99,24 @@ def test_clean_runs_keep_exactly_the_values_cells_restore():
     assert plan.engine_spec.bank_rows == len(plan.refs) + len(plan.sources)
 
 
+def test_a_voided_cell_is_listed_and_never_in_the_grid():
+    """A cell the workers voided (a source missing) still ran and has a score, of an unpatched run: the grid
+    leaves it out and the store lists it."""
+    from interp_runner.engine import RequestResult
+
+    plan = prepare(trace_config("tiny_random", kinds=["resid"], layers=[0], noise={"samples": 1}, filter=False,
+                                num_facts=1)).plan
+    score = {"token_ids": np.array([1, 2]), "logprobs": np.array([-1.0, -2.0], np.float32), "top_id": 1,
+             "top_logprob": -1.0}
+    results = {r.rid: RequestResult(r.rid, 0, [1], "", [-1.0], score=score) for r in plan.requests}
+    cell = next(r for r in plan.requests if r.meta.get("part") == "cell")
+    results[cell.rid].void = "1 patch source(s) not on the worker"
+    ds = trace_dataset(plan, results)
+    m = cell.meta
+    assert np.isnan(ds["restored_logprob_samples"].values[0, 0, 0, m["token"], 0])
+    assert [v["request"] for v in ds.attrs["voided"]] == [cell.rid]
+
+
 def test_noise_scale_is_k_times_the_subject_embedding_std(smollm2_path):
     from interp_runner.models.facts import embedding_rows
 
