@@ -154,7 +154,6 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
     refs: dict[str, tuple[str, int, int]] = {}
     for fact in facts:
         f = fact.index
-        n = len(fact.clean.token_ids)
         condition = clean_rid(f) if trace.filter else None
         run = run_digest(fact.clean, [])
         mapped = dict(align(fact.clean.token_ids, fact.corrupt.token_ids, range(len(fact.corrupt.token_ids)))[0])
