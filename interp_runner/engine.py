@@ -276,12 +276,12 @@ class VllmEngine:
         decode = self.llm.get_tokenizer().decode
         texts: dict[tuple, str] = {}  # one token each: few distinct ones
 
-        def result(request: EngineRequest, ids: list[int], chosen: list[float], cached_tokens: int) -> RequestResult:
+        def result(request: EngineRequest, ids: list[int], chosen: list[float], cached_tokens: int,
+                   worker: dict) -> RequestResult:
             key = tuple(ids)
             text = texts.get(key)
             if text is None:
                 text = texts[key] = decode(ids, skip_special_tokens=True)
-            worker = collected.get(request.rid, {})
             return RequestResult(
                 rid=request.rid, prompt_index=request.prompt.index, token_ids=ids, text=text, logprobs=chosen,
                 captures=worker.get("captures", {}), score=worker.get("score"), void=worker.get("void"),
@@ -292,23 +292,15 @@ class VllmEngine:
         for internal, request in pending.items():
             if isinstance(request, EngineRequest):
                 results[request.rid] = result(request, tokens.get(internal, []), logprobs.get(internal, []),
-                                              cached.get(internal, 0))
+                                              cached.get(internal, 0), collected.get(request.rid, {}))
                 continue
             # a packed cell's token is its greedy choice: the top token its score read
             cached_tokens = min(cached.get(internal, 0), request.prefix)
             for member in request.members:
-                worker = collected.get(member.rid) or {}
+                worker = collected.get(member.rid, {})
                 score = worker.get("score")
-                if score is None:
-                    results[member.rid] = result(member, [], [], cached_tokens)
-                    continue
-                top = score["top_id"]
-                text = texts.get((top,))
-                if text is None:
-                    text = texts[(top,)] = decode([top], skip_special_tokens=True)
-                results[member.rid] = RequestResult(
-                    member.rid, member.prompt.index, [top], text, [score["top_logprob"]], None,
-                    worker.get("captures") or {}, score, worker.get("void"), cached_tokens)
+                ids, chosen = ([score["top_id"]], [score["top_logprob"]]) if score else ([], [])
+                results[member.rid] = result(member, ids, chosen, cached_tokens, worker)
         return results
 
     def _steps_overlap(self) -> bool:

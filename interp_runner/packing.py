@@ -58,10 +58,6 @@ class CellGroup:
     stride: int
     shared: tuple
 
-    @property
-    def num_tokens(self) -> int:
-        return self.prefix + len(self.members) * self.stride
-
     def request(self) -> PackedRequest:
         """One request of the cells: the entries before ``prefix`` once (the same in every cell), each cell's own
         entries moved into its segment."""

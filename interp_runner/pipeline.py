@@ -91,6 +91,15 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
     results: dict = {}
     vectors = plan.vectors  # registered with the first requests that run
     refill: list[list[EngineRequest]] = []  # journaled units whose kept values later units need
+
+    def run_unit(part: list[EngineRequest], progress: bool) -> dict:
+        nonlocal vectors
+        if journal is not None and hasattr(engine, "reset_prefix_cache"):
+            engine.reset_prefix_cache()
+        out = engine.run(part, vectors, use_tqdm=progress)
+        vectors = None
+        return out
+
     try:
         for stage in range(plan.num_stages):
             requests = [r for r in plan.requests if r.stage == stage and _runnable(r, by_rid, results)]
@@ -115,15 +124,9 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
                     for again in refill:  # as they ran (the same batch), so the values are the same
                         log(f"stage {stage} unit {k}: a journaled unit of {len(again)} requests runs again first, "
                             "for the values it keeps on the workers")
-                        if journal is not None and hasattr(engine, "reset_prefix_cache"):
-                            engine.reset_prefix_cache()
-                        engine.run(again, vectors, use_tqdm=False)
-                        vectors = None
+                        run_unit(again, False)
                     refill = []
-                    if journal is not None and hasattr(engine, "reset_prefix_cache"):
-                        engine.reset_prefix_cache()
-                    out = engine.run(part, vectors, use_tqdm=use_tqdm)
-                    vectors = None
+                    out = run_unit(part, use_tqdm)
                     if journal is not None:
                         journal.record(stage, k, out)
                     results.update(out)
