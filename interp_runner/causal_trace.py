@@ -27,7 +27,7 @@ from .config.schema import RunConfig, resolve_path
 from .models.facts import ModelFacts
 from .patching import align, keep_groups, run_digest, span_positions
 from .payload import ref_key, vector_key
-from .sites import site_id
+from .sites import site_id, site_of
 
 KIND_HOOK = {"mlp": "mlp_out", "attn": "attn_out"}
 ROLES = ("first subject", "middle subject", "last subject", "first subsequent", "further tokens", "last token")
@@ -149,6 +149,10 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
     restored_sites = sorted({site for kind in trace.kinds for layer in layers
                              for site in layout.restore_sites(kind, layer, trace.resid_hook)})
 
+    # packed cells skip the layers below their lowest restore: there they compute what their corrupted run does,
+    # which keeps its residual stream at those layers for them
+    skip_layers = cfg.engine.packs_cells()
+
     requests: list[EngineRequest] = []
     sources: dict[str, np.ndarray] = {}
     refs: dict[str, tuple[str, int, int]] = {}
@@ -177,8 +181,19 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
             corrupt_entries.append([])
         for sample, noise_entries in enumerate(corrupt_entries):
             meta = {"fact": f, "part": "corrupt", "sample": sample}
+            base = run_digest(fact.corrupt, noise_entries)
+            starts = {kind_layer: min(site_of(site)[0] for site in layout.restore_sites(*kind_layer, trace.resid_hook))
+                      for kind_layer in ((kind, layer) for kind in trace.kinds for layer in layers)}
+            stream_sites = sorted({site_id(start, "pre_attn") for start in starts.values() if start > 0}) \
+                if skip_layers else []
+            positions = range(len(fact.corrupt.token_ids))
+            for site in stream_sites:
+                for pos in positions:
+                    refs[ref_key(base, site, pos)] = (corrupt_rid(f, sample), site, pos)
+            stream = {"run": base, "groups": keep_groups({site: set(positions) for site in stream_sites})} \
+                if stream_sites else None
             requests.append(make_request(corrupt_rid(f, sample), fact.corrupt, s, patch=noise_entries, max_tokens=1,
-                                         meta=meta))
+                                         meta=meta, keep=stream))
             requests.append(make_request(corrupt_rid(f, sample, True), fact.corrupt, s, patch=noise_entries,
                                          max_tokens=1, stage=1, role="baseline", meta={**meta, "in_batch": True},
                                          condition=condition))
@@ -193,9 +208,11 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
                             restore.append((site, token, ref, 0.0, 1.0))
                         restored = {(site, token) for site, *_ in restore}
                         noise = [e for e in noise_entries if (e[0], e[1]) not in restored]  # a restore wins
+                        start = starts[kind, layer]
                         requests.append(make_request(
                             cell_rid(f, kind, layer, token, sample), fact.corrupt, s, patch=noise + restore,
                             max_tokens=1, stage=1, role="patched", condition=condition,
+                            start=[start, base] if stream_sites and start > 0 else None,
                             meta={"fact": f, "part": "cell", "kind": kind, "layer": layer, "token": token,
                                   "sample": sample}))
     bank = bank_rows_for(cfg, len(sources) + len(refs))

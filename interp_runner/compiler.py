@@ -291,10 +291,14 @@ def make_request(
     condition: str | None = None,
     max_tokens: int | None = None,
     keep: dict | None = None,
+    start: list | None = None,
 ) -> EngineRequest:
     """One engine request; ``patch`` entries are (site, position, source key, a, b); ``keep``: values the workers
-    keep as patch sources (``interp_runner.payload``)."""
+    keep as patch sources; ``start``: [layer, run] below which it computes what ``run`` does
+    (``interp_runner.payload``)."""
     payload: dict = {"rid": rid}
+    if start is not None:
+        payload["start"] = list(start)
     if steer:
         payload["steer"] = list(steer)
     if capture:

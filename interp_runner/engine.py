@@ -108,9 +108,7 @@ class VllmEngine:
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.spec = spec
-        # cells share engine requests: on GPUs, where vLLM's per-request work outweighs a cell's compute (CPU
-        # blocks are 128 tokens: padding each cell to a block would cost more than it saves)
-        self.pack_cells = on_gpu() if cfg.pack_cells is None else cfg.pack_cells
+        self.pack_cells = cfg.packs_cells()
         self._serial = 0
         self.checksums: list[dict] = []
         self.llm = LLM(**kwargs)

@@ -8,6 +8,9 @@ tokens, one block-aligned segment per cell::
 
     [ prefix (positions 0 .. p-1) | cell 0: positions p .. n-1, padding | cell 1: p .. n-1, padding | ... ]
 
+A cell whose payload has a ``start`` layer enters the model there: its segment's residual stream at that layer is
+the one its corrupted run kept, and the layers below are not computed for it.
+
 The plugin runs every segment as its own attention sequence (the prefix's blocks, then the segment's), at the
 positions of the prompt it stands for, and scores each cell at its segment's last prompt token. Each cell computes
 exactly the tokens it would alone: a cell alone hits the prefix cache up to the block of its first private
@@ -28,7 +31,7 @@ import numpy as np
 from .compiler import EngineRequest
 from .payload import PAYLOAD_KEY, pack_positions
 
-PACKABLE_KEYS = {"rid", "patch", "score", "kv", "kv_private"}
+PACKABLE_KEYS = {"rid", "patch", "score", "kv", "kv_private", "start"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class CellGroup:
             "cells": {"rids": [r.rid for r, _ in members], "prefix": prefix, "stride": stride,
                       "length": n - prefix, "score": [x["score"] for _, x in members]},
         }
+        starts = [x.get("start") for _, x in members]
+        if any(starts):
+            payload["cells"]["start"] = starts
         segment = list(self.token_ids[prefix:]) + [self.token_ids[-1]] * (stride - (n - prefix))
         sampling = {**first.sampling, "extra_args": {PAYLOAD_KEY: payload}}
         return PackedRequest(payload["rid"], list(self.token_ids[:prefix]) + segment * len(members), sampling,

@@ -14,7 +14,9 @@ Request payload (msgpack-able)::
                "a": float32 bytes, "b": float32 bytes},
      "score": int32 bytes,                              # token ids scored after the last prompt token
      "kv": [[start, end, digest], ...],                 # what changes the KV of positions [start, end)
-     "kv_private": int}                                 # KV from here on is this request's alone
+     "kv_private": int,                                 # KV from here on is this request's alone
+     "start": [layer, run_digest]}                      # its own positions may skip the layers before
+                                                        #   ``layer``: there they equal the run's
 
 Steering vectors are registered on the workers once per engine, keyed by the sha256 of their float32 bytes;
 patch sources likewise, in a bank of rows that stays on the workers while requests use them. A source key may be
@@ -23,6 +25,10 @@ request's ``keep`` has the workers copy it into the bank on the device, in the s
 stays until the runner releases the key.
 ``kv`` ranges (end -1: open) feed the prefix-cache block hashes, so KV is shared only between requests whose
 interventions up to the end of a block are the same; blocks reaching past ``kv_private`` are never shared.
+``start`` says that below ``layer`` the request computes what the run ``run_digest`` computes at the same positions
+(a causal-trace cell restores nothing below its lowest restored layer): where the engine runs cells packed, their
+segments enter the model at ``layer`` with the residual stream the run keeps there (``keep`` at ``pre_attn`` of
+that layer), and skip the layers below.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 
 import hf_oracle
 from conftest import REPO, run_plan
-from interp_runner.causal_trace import ROLES, trace_dataset
+from interp_runner.causal_trace import ROLES, corrupt_rid, trace_dataset
 from interp_runner.config import ConfigError
 from interp_runner.pipeline import prepare
 from interp_runner.sites import site_id
@@ -29,7 +29,9 @@ def trace_config(model="smollm2_135m", **trace) -> dict:
 
 
 def run_packed(engine, config: dict, pack: bool):
-    """``run_plan`` with the engine's ``pack_cells`` set to ``pack`` for the run."""
+    """``run_plan`` with ``pack_cells`` set to ``pack`` for the run (packed cells also skip the layers below their
+    restores)."""
+    config = {**config, "engine": {**config["engine"], "pack_cells": pack}}
     kept, engine.pack_cells = engine.pack_cells, pack
     try:
         return run_plan(engine, config)
@@ -82,21 +84,39 @@ def test_the_grid_compiles_into_one_batched_stage():
     assert all("kv_private" not in (r.payload or {}) for r in plan.requests if r.meta.get("part") != "cell")
 
 
-def test_clean_runs_keep_exactly_the_values_cells_restore():
-    """Each clean run keeps on the workers the (site, position) values its fact's cells restore, and nothing
-    more: the bank is sized for those (``Plan.refs``) and the plan releases them."""
+@pytest.mark.parametrize("pack", [False, True], ids=["cells-alone", "cells-packed"])
+def test_runs_keep_exactly_the_values_cells_read(pack):
+    """Each clean run keeps on the workers the (site, position) values its fact's cells restore; with packed
+    cells, each corrupted run also keeps its residual stream at the layers its cells start from (their lowest
+    restored layer), and nothing more: the bank is sized for those (``Plan.refs``) and the plan releases them."""
     from interp_runner.payload import ref_key, unpack_positions
 
-    plan = prepare(trace_config("tiny_random", kinds=["resid", "mlp", "attn"], layers=[0, 3], window=2,
-                                noise={"samples": 1})).plan
-    kept = set()
+    config = trace_config("tiny_random", kinds=["resid", "mlp", "attn"], layers=[0, 3], window=2,
+                          noise={"samples": 2})
+    config["engine"]["pack_cells"] = pack
+    plan = prepare(config).plan
+    kept, runs = set(), {}
     for r in plan.requests:
         keep = (r.payload or {}).get("keep")
         if keep:
+            runs[r.rid] = keep["run"]
             kept |= {ref_key(keep["run"], site, p) for sites, positions in keep["groups"] for site in sites
                      for p in unpack_positions(positions).tolist()}
     assert kept == set(plan.refs)
     assert plan.engine_spec.bank_rows == len(plan.refs) + len(plan.sources)
+    cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
+    # window 2 at layer 3: layers 2 and 3 (mlp, attn); resid at layer 3; layer 0 starts at the bottom
+    want = {("resid", 0): None, ("mlp", 0): None, ("attn", 0): None, ("resid", 3): 3, ("mlp", 3): 2, ("attn", 3): 2}
+    for r in cells:
+        start = r.payload.get("start")
+        layer = want[r.meta["kind"], r.meta["layer"]]
+        if not pack or layer is None:
+            assert start is None
+            continue
+        assert start == [layer, runs[corrupt_rid(r.meta["fact"], r.meta["sample"])]]
+        n = len(r.prompt.token_ids)
+        assert all(ref_key(start[1], site_id(layer, "pre_attn"), p) in plan.refs for p in range(n))
+    assert any(r.payload.get("start") for r in cells) == pack
 
 
 def test_a_voided_cell_is_listed_and_never_in_the_grid():
@@ -373,9 +393,14 @@ def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path, monkeypatch)
     config = trace_config("tiny_random", kinds=["resid", "mlp"], layers=[0, 3], window=2, noise={"samples": 2},
                           filter=False, facts=long_fact(tmp_path, 34))
     config["engine"]["max_model_len"] = 1024  # as the engine has
+    from interp_runner.plugin import skipping
+
+    skipped = []
+    monkeypatch.setattr(skipping, "run_layers", lambda *a, _f=skipping.run_layers: skipped.append(1) or _f(*a))
     results = {}
     for pack in (False, True):
         plan, results[pack] = run_packed(tiny_engine, config, pack)
+    assert skipped  # packed cells restoring above layer 0 skipped the layers below
     core, calls = tiny_engine.llm.llm_engine.engine_core, []
     for name in ("add_request", "get_output"):
         monkeypatch.setattr(core, name, lambda *a, _f=getattr(core, name), _n=name: calls.append(_n) or _f(*a))

@@ -14,23 +14,29 @@ from test_causal_trace import hf_trace, run_packed, trace_config
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
 
 LAYERS = [0, 9, 20, 29]
-TOLERANCE = 0.2  # |logprob| difference from float32 that a bf16 engine may show on corrupted inputs
+# |logprob| difference from float32 HF that the engine may show on corrupted inputs: bf16 rounding (cells alone
+# reach 0.18), or float32 GPU kernels that sum in another order (cells alone reach 0.007). A cell fed the wrong
+# stream is off by whole units.
+TOLERANCE = {"bfloat16": 0.25, "float32": 0.02}
 
 
-@pytest.fixture(scope="module")
-def trace_engine(smollm2_path):
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def trace_engine(smollm2_path, request):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     sites = every_site(30)
-    eng = build_engine(smollm2_path, (), sites, sites, 4096, dtype="bfloat16", enforce_eager=False,
+    eng = build_engine(smollm2_path, (), sites, sites, 4096, dtype=request.param, enforce_eager=False,
                        max_model_len=2048, max_num_seqs=64, kv_cache_memory_bytes=2 << 30)
+    eng.test_dtype = request.param
     yield eng
     eng.close()
 
 
 def test_packed_cells_match_cells_alone_and_hf(trace_engine, smollm2_path):
+    """Packed cells (which skip the layers below their restores) against the same cells alone and HF float32."""
+    dtype = trace_engine.test_dtype
     config = trace_config(noise={"samples": 1, "seed": 1}, layers=LAYERS, plots=False)
-    config["engine"].update(dtype="bfloat16", enforce_eager=False, max_model_len=2048)
+    config["engine"].update(dtype=dtype, enforce_eager=False, max_model_len=2048)
     assert trace_engine.pack_cells  # the GPU default
     runs = {}
     for pack in (True, False):
@@ -46,5 +52,5 @@ def test_packed_cells_match_cells_alone_and_hf(trace_engine, smollm2_path):
         errors = {"packed": float(np.abs(got[True] - want).max()), "alone": float(np.abs(got[False] - want).max()),
                   "packed vs alone": float(np.abs(got[True] - got[False]).max())}
         print(f"fact {fact.index}, {len(mine)} cells, max |logprob difference|: "
-              + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()) + f" (tolerance {TOLERANCE})")
-        assert max(errors.values()) <= TOLERANCE, errors
+              + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()) + f" (tolerance {TOLERANCE[dtype]})")
+        assert max(errors.values()) <= TOLERANCE[dtype], errors

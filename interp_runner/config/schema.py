@@ -232,9 +232,17 @@ class EngineConfig(Strict):
     # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): a request's numbers no longer depend on what it
     # was batched with, so GPU reruns reproduce bit for bit (slower; GPU only)
     batch_invariant: bool = False
-    # causal-trace cells that share a prompt prefix run packed into shared engine requests (``packing``);
-    # default: on a GPU
+    # causal-trace cells that share a prompt prefix run packed into shared engine requests (``packing``), each
+    # skipping the layers below its lowest restore; default: on a GPU (CPU blocks are 128 tokens: padding each
+    # cell to a block would cost more than packing saves)
     pack_cells: bool | None = None
+
+    def packs_cells(self) -> bool:
+        if self.pack_cells is not None:
+            return self.pack_cells
+        import torch
+
+        return torch.cuda.is_available()
 
 
 class ModelConfig(Strict):

@@ -41,7 +41,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, pack_results, ref_key, unpack_positions
+from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, REF_PREFIX, pack_results, ref_key, unpack_positions
+from interp_runner.sites import site_id
+
+from . import skipping
 import interp_runner_kernels as kernels
 from interp_runner_kernels.reference import gather_rows
 
@@ -123,6 +126,7 @@ class RequestPlan:
     score_ids: np.ndarray | None = None
     void: str | None = None
     cells: CellLayout | None = None
+    streams: tuple = ()  # (run, site) of the kept streams its cells start from
     # values kept in the bank: (sites, positions, lowest, highest, bank rows [site, position] (-1: not kept here),
     # their keys)
     keep: list[tuple[tuple[int, ...], np.ndarray, int, int, np.ndarray, np.ndarray]] = field(default_factory=list)
@@ -138,6 +142,18 @@ class CellLayout:
     length: int
     rids: list[str]
     score_ids: list[np.ndarray]
+    # cells that skip layers: each one's first layer, and the bank rows of its segment's stream there (row 0, zeros,
+    # for padding)
+    start: np.ndarray | None = None
+    inject: np.ndarray | None = None
+
+
+def _stream_of(key: str) -> tuple[str, int] | None:
+    """(run, site) of a kept value's key (``ref_key``)."""
+    if not key.startswith(REF_PREFIX):
+        return None
+    run, site, _ = key[len(REF_PREFIX):].rsplit(":", 2)
+    return run, int(site)
 
 
 def capture_groups(specs) -> list[tuple]:
@@ -206,6 +222,11 @@ class InterpState:
         self.keep_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # overflowing step: site -> (rows, bank)
         self._keep_keys: list[np.ndarray] = []  # keys this step writes
         self._free_bank = list(range(self.bank.shape[0] - 1, 0, -1))
+        # kept values by (run, site): (positions, keys), and, once all are written, (positions, bank rows); the
+        # number of requests whose cells start from them
+        self._kept_by_site: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._streams: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._stream_users: dict[tuple[str, int], int] = {}
         self.pending_scores: list[tuple[int, str, np.ndarray]] = []
         self.staging = PinnedRing(STAGING_BYTES if self.device.type == "cuda" else 0, self.device)
         self._pending: list[tuple] = []  # device-side results not yet read back: ("score" | "capture", ...)
@@ -238,6 +259,8 @@ class InterpState:
         self.voided: dict[str, str] = {}
         # a step with packed cells: its attention sequences (``plan_sequences``), and the cells it scores
         self.sequences: dict | None = None
+        self.row_of: np.ndarray | None = None  # a step that skips layers: batch row -> row in the model's order
+        self.layer_metadata: dict[int, dict[int, object]] = {}  # such a step: builder -> sequences -> metadata
         self._packed: set[str] = set()  # worker ids of the admitted packed requests
         self.cell_scores: tuple[torch.Tensor, list] | None = None
         self.cell_hidden: torch.Tensor | None = None
@@ -323,6 +346,11 @@ class InterpState:
 
     def _free_source_if_unused(self, key: str) -> None:
         if key in self._released and not self._bank_users.get(key):
+            if self._stream_users:
+                stream = _stream_of(key)
+                if stream is not None and self._stream_users.get(stream):
+                    return
+            self._streams.clear()  # a cache of validated streams: this row may be in one
             self._released.discard(key)
             self._unwritten.discard(key)
             self._bank_users.pop(key, None)
@@ -341,7 +369,16 @@ class InterpState:
             sites = tuple(int(x) for x in sites)
             keys = [ref_key(run, site, p) for site in sites for p in positions.tolist()]
             rows = []
-            for key in keys:
+            if len(free) >= len(keys) and all(k not in rows_in_bank for k in keys):  # the usual case: all new
+                rows = free[len(free) - len(keys):][::-1]
+                del free[len(free) - len(keys):]
+                rows_in_bank.update(zip(keys, rows))
+                reserved += keys
+                writes += keys
+                keys_to_check = ()
+            else:
+                keys_to_check = keys
+            for key in keys_to_check:
                 row = rows_in_bank.get(key)
                 if row is not None:
                     self._released.discard(key)
@@ -360,12 +397,16 @@ class InterpState:
                 writes.append(key)
             shape = (len(sites), len(positions))
             rows = np.array(rows, dtype=np.int64).reshape(shape)
-            plan.keep.append((sites, positions, int(positions[0]), int(positions[-1]), rows,
-                              np.array(keys, dtype=object).reshape(shape)))
+            keys = np.array(keys, dtype=object).reshape(shape)
+            plan.keep.append((sites, positions, int(positions[0]), int(positions[-1]), rows, keys))
+            for site, site_keys in zip(sites, keys):
+                self._kept_by_site[(run, site)] = (positions, site_keys)
+                self._streams.pop((run, site), None)
             self._fold(b"keep", np.array(sites), positions, rows)
         self._unwritten.update(reserved)
+        users = self._bank_users
         for key in writes:  # a writer uses its rows: none is freed under it
-            self._bank_users[key] = self._bank_users.get(key, 0) + 1
+            users[key] = users.get(key, 0) + 1
         plan.bank_keys += tuple(writes)
 
     def _acquire_slots(self, steer: list) -> tuple[tuple, int, int]:
@@ -404,10 +445,31 @@ class InterpState:
         users[2] += 1
         return key, users[0], users[1]
 
+    def _stream(self, run: str, site: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(positions, bank rows) of the values ``run`` keeps at ``site``, or None unless every one is written."""
+        stream = self._streams.get((run, site))
+        if stream is None:
+            kept = self._kept_by_site.get((run, site))
+            if kept is None:
+                return None
+            positions, keys = kept
+            rows = [self.bank_rows.get(key, -1) for key in keys.tolist()]
+            if -1 in rows or not self._unwritten.isdisjoint(keys.tolist()):
+                return None
+            stream = self._streams[(run, site)] = (positions, np.array(rows, dtype=np.int64))
+        return stream
+
     def _release(self, plan: RequestPlan) -> None:
         for key in plan.bank_keys:
             self._bank_users[key] -= 1
             self._free_source_if_unused(key)
+        for stream in plan.streams:
+            self._stream_users[stream] -= 1
+            if not self._stream_users[stream]:
+                del self._stream_users[stream]
+                kept = self._kept_by_site.get(stream)
+                for key in kept[1].tolist() if kept is not None else ():
+                    self._free_source_if_unused(key)
         if plan.steer_key is None:
             return
         users = self._slot_users[plan.steer_key]
@@ -440,6 +502,8 @@ class InterpState:
                     scored[ids] = unpack_positions(ids).astype(np.int64)
             plan.cells = CellLayout(int(cells["prefix"]), int(cells["stride"]), int(cells["length"]),
                                     list(cells["rids"]), [scored[ids] for ids in cells["score"]])
+            if cells.get("start") and plan.void is None:
+                self._admit_starts(plan, cells["start"])
             if plan.void is not None:
                 self.voided.pop(plan.rid, None)
                 for rid in plan.cells.rids:
@@ -456,6 +520,37 @@ class InterpState:
                 if plan is not None and plan.cells is not None:
                     self._packed.add(rid)
         return [self.requests[rid] for rid in req_ids]
+
+    def _admit_starts(self, plan: RequestPlan, starts: list) -> None:
+        """Each cell's first layer and the bank rows of the stream its segment starts from there."""
+        cells = plan.cells
+        first = np.zeros(len(starts), dtype=np.int64)
+        inject = np.zeros((len(starts), cells.stride), dtype=np.int64)
+        segment: dict[tuple[str, int], np.ndarray] = {}  # the rows of one stream at the segment's positions
+        for k, start in enumerate(starts):
+            if not start:
+                continue
+            layer, run = int(start[0]), start[1]
+            key = (run, site_id(layer, "pre_attn"))
+            rows = segment.get(key)
+            if rows is None:
+                stream = self._stream(*key)
+                if stream is not None:
+                    positions, bank = stream
+                    a = int(np.searchsorted(positions, cells.prefix))
+                    if a + cells.length <= len(positions) and positions[a + cells.length - 1] == \
+                            cells.prefix + cells.length - 1 and positions[a] == cells.prefix:
+                        rows = segment[key] = bank[a : a + cells.length]
+                if rows is None:
+                    plan.void = f"the residual stream its cells start from is not on the worker ({run}, layer {layer})"
+                    return
+            first[k] = layer
+            inject[k, : cells.length] = rows
+        cells.start, cells.inject = first, inject
+        plan.streams = tuple(segment)
+        for key in segment:
+            self._stream_users[key] = self._stream_users.get(key, 0) + 1
+        self._fold(b"start", first, inject)
 
     def _admit_patch(self, plan: RequestPlan, patch: dict) -> None:
         keys = patch["src"]
@@ -542,6 +637,8 @@ class InterpState:
             slots[:num_tokens] = np.where(
                 positions < prompt_len[owner], prefill[owner], decode[owner]
             )
+            if self.row_of is not None:
+                slots[self.row_of] = slots[:num_tokens].copy()
             if isinstance(self._row_slots, np.ndarray) and np.array_equal(self._row_slots, slots):
                 pass  # the buffer already holds these slots (steady decode of the same batch)
             else:
@@ -602,6 +699,8 @@ class InterpState:
                 if not len(chosen):
                     continue
                 rows = chosen - first + starts[i]
+                if self.row_of is not None:
+                    rows = self.row_of[rows]
                 for site in sites:
                     rows_by_site[site].append(rows)
                     meta.append((site, plan.rid, chosen, -1))
@@ -611,6 +710,8 @@ class InterpState:
                     continue
                 a, b = np.searchsorted(positions, (first, end))
                 rows = positions[a:b] - first + starts[i]
+                if self.row_of is not None:
+                    rows = self.row_of[rows]
                 for j, site in enumerate(sites):
                     dest, named = bank[j, a:b], keys[j, a:b]
                     wanted = dest >= 0
@@ -721,6 +822,9 @@ class InterpState:
         if not flat:
             return
         flat, banks = np.array(flat, dtype=np.int64), np.array(banks, dtype=np.int64)
+        if self.row_of is not None:
+            site, row = np.divmod(flat, self.max_rows)
+            flat = site * self.max_rows + self.row_of[row]
         coef = np.array([a, b], dtype=np.float32).T.copy()
         device_flat = self.staging.upload(flat)
         self.patch_idx.view(-1)[device_flat] = self.staging.upload(banks)
@@ -734,7 +838,7 @@ class InterpState:
         per cell segment, each seeing the prefix's blocks and its own), put the segments' tokens at the positions
         of the prompt they stand for, and mark each cell's last prompt token for scoring. Other requests stay one
         sequence each; nothing changes in a step without packed cells."""
-        self.sequences, self.cell_scores = None, None
+        self.sequences, self.cell_scores, self.row_of = None, None, None
         requests, packed, batch = self.requests, self._packed, runner.input_batch
         if not any(rid not in requests or rid in packed for rid in batch.req_ids[: batch.num_reqs]):
             return  # the usual step (a decode step, say): every request admitted, none packed
@@ -747,20 +851,21 @@ class InterpState:
         computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
         block = runner.cache_config.block_size
         # per request, its sequences: (query starts, query lengths, sequence lengths, token shifts, first shifted
-        # block); a request that is not packed is one sequence
+        # block, first layer); a request that is not packed is one sequence
         parts, part_owner = [], []
         score_rows, score_meta = [], []
+        inject_rows, inject_at = [], []  # cells that skip layers: bank rows of their tokens' stream, first row
         for i, plan in enumerate(plans):
             first, count = int(computed[i]), int(starts[i + 1] - starts[i])
             end = first + count
             cells = plan.cells if plan is not None else None
             if cells is None or end <= cells.prefix:
-                parts.append(([starts[i]], [count], [end], [0], [0]))
+                parts.append(([starts[i]], [count], [end], [0], [0], [0]))
                 part_owner.append(i)
                 continue
             p, stride = cells.prefix, cells.stride
             if first < p:
-                parts.append(([starts[i]], [p - first], [p], [0], [0]))
+                parts.append(([starts[i]], [p - first], [p], [0], [0], [0]))
                 part_owner.append(i)
             lo = max(first, p)
             k = np.arange((lo - p) // stride, (end - 1 - p) // stride + 1)
@@ -768,19 +873,50 @@ class InterpState:
             seg_hi = np.minimum(end, p + (k + 1) * stride)
             shift = k * stride
             parts.append((starts[i] + seg_lo - first, seg_hi - seg_lo, seg_hi - shift, shift,
-                          np.full(len(k), p // block)))
+                          np.full(len(k), p // block), cells.start[k] if cells.start is not None else np.zeros_like(k)))
             part_owner.append(i)
+            if cells.start is not None:
+                own = seg_lo - p - shift  # the first of each segment's tokens in this step, as a segment offset
+                lens = seg_hi - seg_lo
+                at = np.repeat(own - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+                inject_rows.append(cells.inject[np.repeat(k, lens), at])
+                inject_at.append(starts[i] + lo - first)
             last = p + shift + cells.length - 1
             hit = (last >= seg_lo) & (last < seg_hi)
             score_rows.append(starts[i] + last[hit] - first)
             score_meta += [(cells.rids[j], cells.score_ids[j]) for j in k[hit].tolist()]
-        q_start, q_len, seq_len, shift, from_block = (
-            np.concatenate([np.asarray(part[f], dtype=np.int64) for part in parts]) for f in range(5))
+        q_start, q_len, seq_len, shift, from_block, first_layer = (
+            np.concatenate([np.asarray(part[f], dtype=np.int64) for part in parts]) for f in range(6))
         owner = np.repeat(np.array(part_owner), [len(part[1]) for part in parts])
-        self._fold(b"sequences", q_start, q_len, seq_len, shift)
+        self._fold(b"sequences", q_start, q_len, seq_len, shift, first_layer)
         num_tokens = int(starts[n])
         num_seqs = len(q_len)
         positions = np.repeat(seq_len - q_len - q_start, q_len) + np.arange(num_tokens)
+        skip = None
+        if first_layer.any():
+            # the model runs the sequences in order of their first layer, so a layer's are a prefix of them
+            inject = np.zeros(num_tokens, dtype=np.int64)
+            for rows, at in zip(inject_rows, inject_at):
+                inject[at : at + len(rows)] = rows
+            order = np.argsort(first_layer, kind="stable")
+            q_len, seq_len, shift, from_block, first_layer, owner = (
+                x[order] for x in (q_len, seq_len, shift, from_block, first_layer, owner))
+            old_start, q_start = q_start[order], np.zeros(num_seqs, dtype=np.int64)
+            np.cumsum(q_len[:-1], out=q_start[1:])
+            perm = np.repeat(old_start - q_start, q_len) + np.arange(num_tokens)  # model row -> batch row
+            self.row_of = np.empty(num_tokens, dtype=np.int64)
+            self.row_of[perm] = np.arange(num_tokens)
+            token_layer = np.repeat(first_layer, q_len)
+            layers = np.arange(int(first_layer[-1]) + 1)
+            num_first = int(np.searchsorted(token_layer, 0, side="right"))
+            skip = {
+                "perm": self.staging.upload(perm),
+                "rows": np.searchsorted(token_layer, layers, side="right").tolist(),  # a layer's rows
+                "seqs": np.searchsorted(first_layer, layers, side="right").tolist(),  # its sequences
+                "inject": self.staging.upload(inject[perm[num_first:]]),
+            }
+            positions = positions[perm]
+            self._fold(b"skip", perm, inject)
         width = int((-(-seq_len // block)).max())
         cols = np.arange(width)[None, :]
         cols = cols + np.where(cols >= from_block[:, None], (shift // block)[:, None], 0)
@@ -801,6 +937,7 @@ class InterpState:
             "max_seq_len": int(seq_len.max()),
             "block_table": table[self.staging.upload(owner)[:, None], self.staging.upload(cols)],
             "is_prefilling": torch.from_numpy(seq_len - q_len < prompt_len[owner]),
+            "skip": skip,
         }
         runner.positions[:num_tokens].copy_(self.staging.upload(positions))
         if score_rows:
@@ -973,7 +1110,11 @@ def _packed_sequences(builder, state: InterpState) -> None:
         # no cascade over the requests' common prefix; no ahead-of-time schedule (its buffer is sized for
         # max_num_seqs sequences)
         kwargs["fast_build"] = True
-        return original(0, common_attn_metadata, *args, **kwargs)
+        if seqs["skip"] is None:
+            return original(0, common_attn_metadata, *args, **kwargs)
+        variants = state.layer_metadata[id(builder)] = skipping.metadata_by_sequences(
+            lambda common: original(0, common, *args, **kwargs), common_attn_metadata, seqs["skip"], seqs["num_reqs"])
+        return variants[seqs["num_reqs"]]
 
     builder.build = build
 
@@ -1013,12 +1154,16 @@ def instrument_model_runner() -> None:
             context = get_forward_context()
             context.cudagraph_runtime_mode = CUDAGraphMode.NONE
         try:
-            output = original(self, *args, **kwargs)
+            if state.sequences is not None and state.sequences["skip"] is not None:
+                output = skipping.run_layers(self, state, kwargs["input_ids"], positions)
+            else:
+                output = original(self, *args, **kwargs)
             if state.cell_scores is not None:
                 state.cell_hidden = output.index_select(0, state.cell_scores[0])
             return output
         finally:
-            state.sequences = None
+            state.sequences, state.row_of = None, None
+            state.layer_metadata = {}
             state.after_forward()
 
     GPUModelRunner._prepare_inputs = _prepare_inputs

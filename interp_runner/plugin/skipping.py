@@ -1,0 +1,155 @@
+"""Packed cells that skip layers: the model run layer by layer, each layer over the rows that have entered by then.
+
+Below its lowest restore, a causal-trace cell computes what its corrupted run computes. A step whose cells start
+above layer 0 orders its attention sequences by first layer (``InterpState.plan_sequences``), so the rows layer
+``l`` computes are a prefix of the step's rows: those of the sequences that start at or below ``l``. At its first
+layer a segment's rows enter with the residual stream the corrupted run kept there (bank rows), as ``hidden`` with
+a zero ``residual``: vLLM's deferred add then gives that stream exactly. Each attention layer reads metadata built
+for its prefix of sequences, and writes KV for its rows only (layers a segment skips are never read by it). The
+layers run eagerly (a layer's rows vary), with vLLM's fused kernels on GPUs.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+def metadata_by_sequences(build, common, skip: dict, num_seqs: int) -> dict[int, object]:
+    """Attention metadata per number of leading sequences a layer computes (``build``: the backend builder's),
+    from the step's ``common`` metadata in batch-row order; the slot mapping is put in model-row order."""
+    rows = skip["rows"][-1]
+    slots = skip.get("slots")
+    if slots is None:
+        slots = skip["slots"] = common.slot_mapping[:rows].index_select(0, skip["perm"])
+    query_start_cpu = common.query_start_loc_cpu
+    seq_lens_cpu = common._seq_lens_cpu
+    out = {}
+    for k, n in zip(skip["seqs"], skip["rows"]):
+        if k in out or k == 0:
+            continue
+        if k == num_seqs:
+            part = common.replace(slot_mapping=slots)
+        else:
+            part = common.replace(
+                query_start_loc=common.query_start_loc[: k + 1], query_start_loc_cpu=query_start_cpu[: k + 1],
+                seq_lens=common.seq_lens[:k], _seq_lens_cpu=seq_lens_cpu[:k], seq_lens_cpu_upper_bound=seq_lens_cpu[:k],
+                _num_computed_tokens_cpu=common._num_computed_tokens_cpu[:k], num_reqs=k, num_actual_tokens=n,
+                max_query_len=int((query_start_cpu[1 : k + 1] - query_start_cpu[:k]).max()),
+                max_seq_len=int(seq_lens_cpu[:k].max()), block_table_tensor=common.block_table_tensor[:k],
+                slot_mapping=slots[:n], is_prefilling=common.is_prefilling[:k],
+            )
+        out[k] = build(part)
+    return out
+
+
+def attention_layers(runner) -> list[list[tuple[str, int]]]:
+    """Per decoder layer, its attention layers: (name, id of their metadata builder)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    cached = runner.__dict__.get("_interp_attention_layers")
+    if cached is None:
+        by_layer: dict[int, list] = {}
+        for group in runner.attn_groups[0]:
+            builder = group.metadata_builders[0]
+            for name in group.layer_names:
+                by_layer.setdefault(extract_layer_index(name), []).append((name, id(builder)))
+        cached = runner._interp_attention_layers = [by_layer.get(i, []) for i in range(max(by_layer) + 1)]
+    return cached
+
+
+def _fused_rms_norm(norm, native):
+    """RMSNorm (with the residual add) in vLLM's fused CUDA kernels, which work in place as its own path does."""
+    weight = norm.weight.data if norm.pass_weight else None
+    weight_add = norm.weight.data if norm.pass_weight_add else None
+    eps = norm.variance_epsilon
+
+    def forward(x, residual=None):
+        if norm.weight.dtype != x.dtype or not x.is_contiguous():
+            return native(x, residual)
+        if residual is None:
+            out = torch.empty_like(x)
+            torch.ops._C.rms_norm(out, x, weight, eps)
+            return out
+        torch.ops._C.fused_add_rms_norm(x, residual, weight_add, eps)
+        return x, residual
+
+    return forward
+
+
+@contextmanager
+def fused_kernels(model):
+    """vLLM's own kernels for its custom ops (norms, activations, rotary) while the model runs eagerly: under
+    torch.compile they run as plain torch code, for Inductor to fuse."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    kernels = model.__dict__.get("_interp_fused_kernels")
+    if kernels is None:
+        kernels = []
+        for module in model.modules() if torch.cuda.is_available() else ():
+            if type(module) is RMSNorm:
+                if module.variance_size_override is None:
+                    kernels.append((module, module._forward_method, _fused_rms_norm(module, module._forward_method)))
+            elif isinstance(module, CustomOp) and type(module).forward_cuda is not CustomOp.forward_cuda:
+                kernels.append((module, module._forward_method, module.forward_cuda))
+        model._interp_fused_kernels = kernels
+    for module, _, fused in kernels:
+        module._forward_method = fused
+    try:
+        yield
+    finally:
+        for module, usual, _ in kernels:
+            module._forward_method = usual
+
+
+def run_layers(runner, state, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The step's hidden states (batch-row order, as the model would return them), each row computed from its
+    sequence's first layer on."""
+    from vllm.forward_context import get_forward_context
+
+    skip = state.sequences["skip"]
+    metadata = state.layer_metadata
+    model = runner.get_model()
+    inner = model.model
+    layers = inner.layers
+    if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(layers)) != len(layers):
+        raise RuntimeError("interp: cells that skip layers need the whole model on one pipeline stage")
+    context = get_forward_context()
+    if not isinstance(context.attn_metadata, dict) or not isinstance(context.slot_mapping, dict):
+        raise RuntimeError("interp: cells that skip layers need one attention metadata per layer")
+    names = attention_layers(runner)
+    rows, seqs, perm, inject = skip["rows"], skip["seqs"], skip["perm"], skip["inject"]
+    total = rows[-1]
+    slots = skip["slots"]
+    ids = input_ids[:total].index_select(0, perm)
+    first = rows[0]
+    saved = dict(context.attn_metadata), dict(context.slot_mapping)
+    hidden = inner.embed_input_ids(ids[:first])
+    residual = None
+    try:
+        with fused_kernels(model):
+            for index, layer in enumerate(layers):
+                n = rows[min(index, len(rows) - 1)]
+                k = seqs[min(index, len(seqs) - 1)]
+                have = hidden.shape[0]
+                if n > have:  # rows that start here: the stream their run kept, all in hidden
+                    entering = state.bank.index_select(0, inject[have - first : n - first])
+                    hidden = torch.cat([hidden, entering])
+                    zeros = torch.zeros_like(entering)
+                    residual = zeros if residual is None else torch.cat([residual, zeros])
+                if n == 0:
+                    continue
+                for name, builder in names[index]:
+                    context.attn_metadata[name] = metadata[builder][k]
+                    context.slot_mapping[name] = slots[:n]
+                hidden, residual = layer(positions[:n], hidden, residual)
+            hidden, _ = inner.norm(hidden, residual)
+    finally:
+        context.attn_metadata.clear()
+        context.attn_metadata.update(saved[0])
+        context.slot_mapping.clear()
+        context.slot_mapping.update(saved[1])
+    out = torch.zeros((input_ids.shape[0], hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    return out.index_copy_(0, perm, hidden)
