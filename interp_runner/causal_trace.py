@@ -152,6 +152,10 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
     # packed cells skip the layers below their lowest restore: there they compute what their corrupted run does,
     # which keeps its residual stream at those layers for them
     skip_layers = cfg.engine.packs_cells()
+    starts = {(kind, layer): min(site_of(site)[0] for site in layout.restore_sites(kind, layer, trace.resid_hook))
+              for kind in trace.kinds for layer in layers}
+    stream_sites = sorted({site_id(start, "pre_attn") for start in starts.values() if start > 0}) \
+        if skip_layers else []
 
     requests: list[EngineRequest] = []
     sources: dict[str, np.ndarray] = {}
@@ -182,10 +186,6 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
         for sample, noise_entries in enumerate(corrupt_entries):
             meta = {"fact": f, "part": "corrupt", "sample": sample}
             base = run_digest(fact.corrupt, noise_entries)
-            starts = {kind_layer: min(site_of(site)[0] for site in layout.restore_sites(*kind_layer, trace.resid_hook))
-                      for kind_layer in ((kind, layer) for kind in trace.kinds for layer in layers)}
-            stream_sites = sorted({site_id(start, "pre_attn") for start in starts.values() if start > 0}) \
-                if skip_layers else []
             positions = range(len(fact.corrupt.token_ids))
             for site in stream_sites:
                 for pos in positions:
