@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, REF_PREFIX, pack_results, ref_key, unpack_positions
+from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, pack_results, ref_key, ref_site, unpack_positions
 from interp_runner.sites import site_id
 
 from . import skipping
@@ -146,14 +146,6 @@ class CellLayout:
     # for padding)
     start: np.ndarray | None = None
     inject: np.ndarray | None = None
-
-
-def _stream_of(key: str) -> tuple[str, int] | None:
-    """(run, site) of a kept value's key (``ref_key``)."""
-    if not key.startswith(REF_PREFIX):
-        return None
-    run, site, _ = key[len(REF_PREFIX):].rsplit(":", 2)
-    return run, int(site)
 
 
 def capture_groups(specs) -> list[tuple]:
@@ -342,12 +334,15 @@ class InterpState:
             if key in self.bank_rows:
                 self._released.add(key)
                 self._free_source_if_unused(key)
+        rows = self.bank_rows
+        for stream in [s for s, (_, kept) in self._kept_by_site.items() if any(k not in rows for k in kept.tolist())]:
+            del self._kept_by_site[stream]  # no cell can start from it any more
         return len(self.bank_rows)
 
     def _free_source_if_unused(self, key: str) -> None:
         if key in self._released and not self._bank_users.get(key):
             if self._stream_users:
-                stream = _stream_of(key)
+                stream = ref_site(key)
                 if stream is not None and self._stream_users.get(stream):
                     return
             self._streams.clear()  # a cache of validated streams: this row may be in one
