@@ -117,9 +117,12 @@ def fact_prompt(tokenizer, n: int) -> dict:
     return {"id": f"bench-{n}", "subject": " ".join(SUBJECT), "prompt": text, "answer": ANSWER}
 
 
-def trace_config(args, folder: Path, facts_file: Path, on_gpu: bool, num_layers: int) -> dict:
+def trace_config(args, folder: Path, facts_file: Path, on_gpu: bool, num_layers: int,
+                 entry_stride: int | None = None) -> dict:
     engine = {"dtype": args.dtype, "enforce_eager": args.eager, "max_model_len": args.max_model_len,
               "max_num_seqs": args.max_num_seqs}
+    if entry_stride is not None:
+        engine["cell_entry_stride"] = entry_stride
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (16.0 if on_gpu else None)
     if kv_gib is not None:
         engine["kv_cache_memory_bytes"] = int(kv_gib * (1 << 30))
@@ -254,19 +257,43 @@ def profile_once(engine, clock: StageClock, plan, on_gpu: bool) -> dict:
     pr.enable()
     wall, _, _ = ours_once(engine, clock, plan)
     pr.disable()
-    stats = pstats.Stats(pr).stats
-    host = {}
+    out["host"] = {"wall_s_under_cprofile": wall, **host_parts(pstats.Stats(pr).stats)}
+    # then each stage (engine.run call) on its own, for where its time goes by cumulative time
+    stages, run = [], engine.run
+
+    def profiled(*a, **kw):
+        stage = cProfile.Profile()
+        stage.enable()
+        try:
+            return run(*a, **kw)
+        finally:
+            stage.disable()
+            stages.append(pstats.Stats(stage).stats)
+
+    engine.run = profiled
+    try:
+        ours_once(engine, clock, plan)
+    finally:
+        engine.run = run
+    out["host_by_stage"] = [host_parts(stats) for stats in stages]
+    return out
+
+
+def host_parts(stats) -> dict:
+    """A cProfile's time in ``HOST_PARTS``, and its functions by self time and (vLLM's and ours) by cumulative
+    time."""
+    parts = {}
     for (filename, _, func), (_, ncalls, tottime, cumtime, _) in stats.items():
         for file, name, what in HOST_PARTS:
             if func == name and filename.endswith("/" + file):
-                got = host.setdefault(what, {"s": 0.0, "calls": 0})
+                got = parts.setdefault(what, {"s": 0.0, "calls": 0})
                 got["s"] += tottime if "self time" in what else cumtime
                 got["calls"] += ncalls
-    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:40]  # by self time
-    out["host"] = {"wall_s_under_cprofile": wall, "parts": host,
-                   "top_self_time": [(f"{Path(f).name}:{line}:{func}", tt, ct, nc)
-                                     for (f, line, func), (_, nc, tt, ct, _) in top]}
-    return out
+    named = [(f"{Path(f).name}:{line}:{func}", tt, ct, nc) for (f, line, func), (_, nc, tt, ct, _) in stats.items()]
+    ours_or_vllm = {f"{Path(f).name}:{line}:{func}" for (f, line, func) in stats
+                    if "/interp_runner" in f or "/vllm/" in f}
+    return {"parts": parts, "top_self_time": sorted(named, key=lambda x: -x[1])[:40],
+            "top_cumulative": sorted((x for x in named if x[0] in ours_or_vllm), key=lambda x: -x[2])[:60]}
 
 
 def profile_table(n: int, profile: dict) -> str:
@@ -285,6 +312,10 @@ def profile_table(n: int, profile: dict) -> str:
     lines.append(f"{n} tokens: host functions by self time (cProfile)")
     lines += [f"    {tt * 1e3:8.1f} ms self {ct * 1e3:8.1f} ms cumulative {nc:7d} calls  {name}"
               for name, tt, ct, nc in host.get("top_self_time", [])[:25]]
+    for k, stage in enumerate(profile.get("host_by_stage", [])):
+        lines.append(f"{n} tokens: stage {k}, vLLM's and our functions by cumulative time (cProfile)")
+        lines += [f"    {ct * 1e3:8.1f} ms cumulative {tt * 1e3:8.1f} ms self {nc:7d} calls  {name}"
+                  for name, tt, ct, nc in stage["top_cumulative"][:45]]
     return "\n".join(lines)
 
 
@@ -487,6 +518,12 @@ def main(argv=None) -> int:
                     help="also the most tokens a request of packed cells holds (the model's 8,192 positions)")
     ap.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
                     help="engine.pack_cells (auto: on with a GPU)")
+    ap.add_argument("--entry-strides", default="",
+                    help="comma list of engine.cell_entry_stride values: the first is timed as 'ours', the others "
+                         "once after each of its runs, on the same engine (default: the config's)")
+    ap.add_argument("--step-tokens", default="",
+                    help="comma list of tokens submitted before a step starts (VllmEngine.step_tokens), each timed "
+                         "once after each 'ours' run, on the same engine")
     ap.add_argument("--unpacked-repeats", type=int, default=0,
                     help="then this many timed runs with cells unpacked, on the same engine")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
@@ -520,12 +557,19 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     folder = model_folder(shape, scratch, device)
     tokenizer = load_tokenizer(folder, False)
-    prepared, prepare_s = {}, {}
+    strides = [int(x) for x in args.entry_strides.split(",") if x] or [None]
+    prepared, prepare_s, variants = {}, {}, {}
     for n in lengths:
         facts_file = scratch / f"trace-fact-{n}.jsonl"
         facts_file.write_text(json.dumps(fact_prompt(tokenizer, n)) + "\n")
         t1 = time.perf_counter()
-        prepared[n] = prepare(trace_config(args, folder, facts_file, on_gpu, shape["num_hidden_layers"]))
+        prepared[n] = prepare(trace_config(args, folder, facts_file, on_gpu, shape["num_hidden_layers"], strides[0]))
+        # variants timed beside 'ours': label -> (prepared config, engine attributes set for its runs)
+        variants[n] = {f"entry stride {g}": (prepare(trace_config(args, folder, facts_file, on_gpu,
+                                                                  shape["num_hidden_layers"], g)), {})
+                       for g in strides[1:]}
+        variants[n].update({f"steps of {t} tokens": (prepared[n], {"step_tokens": t})
+                            for t in (int(x) for x in args.step_tokens.split(",") if x)})
         fact = prepared[n].plan.trace.facts[0]
         if len(fact.clean.token_ids) != n or fact.subject_positions != (1, 2, 3):
             raise RuntimeError(f"{n}: plan has {len(fact.clean.token_ids)} tokens, subject {fact.subject_positions}")
@@ -544,6 +588,7 @@ def main(argv=None) -> int:
     # one engine for every length: the longest plan's spec if it covers the rest, else the union
     longest = prepared[lengths[-1]]
     specs = [p.plan.engine_spec for p in prepared.values()]
+    specs += [p.plan.engine_spec for per_length in variants.values() for p, _ in per_length.values()]
     spec = longest.plan.engine_spec
     if not all(spec.covers(s) for s in specs):
         spec = merged_spec(specs)
@@ -587,18 +632,47 @@ def main(argv=None) -> int:
             ours_once(engine, clock, plan)
             if hf is not None:
                 hf.grid()
+        def run_variant(label):
+            other, attributes = variants[n][label]
+            saved = {k: getattr(engine, k) for k in attributes}
+            for k, v in attributes.items():
+                setattr(engine, k, v)
+            try:
+                return ours_once(engine, clock, other.plan)
+            finally:
+                for k, v in saved.items():
+                    setattr(engine, k, v)
+
+        for label in variants[n]:
+            for _ in range(args.warmup):
+                run_variant(label)
         ours_t, stages_t, hf_t, cached = [], [], [], []
+        variant_t: dict[str, list[float]] = {label: [] for label in variants[n]}
+        variant_results: dict[str, dict] = {}
         for r in range(args.repeats):
             total, stages, results = ours_once(engine, clock, plan)
             ours_t.append(total)
             stages_t.append(stages)
             cached.append(sum(x.cached_tokens for x in results.values()))
             print(f"  ours {total:.3f} s (stages {', '.join(f'{s:.3f}' for s in stages)})", flush=True)
+            for label in variants[n]:
+                total, stages, variant_results[label] = run_variant(label)
+                variant_t[label].append(total)
+                print(f"  ours, {label}: {total:.3f} s (stages {', '.join(f'{s:.3f}' for s in stages)})", flush=True)
             if hf is not None:
                 dt, hf_grid, hf_clean, hf_corrupt = hf.grid()
                 hf_t.append(dt)
                 print(f"  hf   {dt:.3f} s", flush=True)
         grid, clean_lp, corrupt_lp = ours_grid(plan, results, num_layers, n)
+        if variant_t:
+            row["variants"] = {
+                "entry_stride": strides[0], "times_s": variant_t,
+                "median_s": {label: statistics.median(t) for label, t in variant_t.items()},
+                # same engine, same weights: only the order of float sums differs
+                "max_abs_diff": {label: float(np.nanmax(np.abs(grid - ours_grid(
+                    variants[n][label][0].plan, variant_results[label], num_layers, n)[0]))) for label in variant_t}}
+            print(f"  ours {statistics.median(ours_t):.3f} s (median); " + ", ".join(
+                f"{label}: {statistics.median(t):.3f}" for label, t in variant_t.items()), flush=True)
         if args.unpacked_repeats:
             packing, engine.pack_cells = engine.pack_cells, False
             unpacked_t = []

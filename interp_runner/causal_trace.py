@@ -152,8 +152,12 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
     # packed cells skip the layers below their lowest restore: there they compute what their corrupted run does,
     # which keeps its residual stream at those layers for them
     skip_layers = cfg.engine.packs_cells()
-    starts = {(kind, layer): min(site_of(site)[0] for site in layout.restore_sites(kind, layer, trace.resid_hook))
-              for kind in trace.kinds for layer in layers}
+    stride = cfg.engine.cell_entry_stride
+    starts = {}
+    for kind in trace.kinds:
+        for layer in layers:
+            lowest = min(site_of(site)[0] for site in layout.restore_sites(kind, layer, trace.resid_hook))
+            starts[kind, layer] = lowest - lowest % stride
     stream_sites = sorted({site_id(start, "pre_attn") for start in starts.values() if start > 0}) \
         if skip_layers else []
 

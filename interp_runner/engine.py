@@ -109,6 +109,9 @@ class VllmEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.spec = spec
         self.pack_cells = cfg.packs_cells()
+        # where steps overlap submission: the tokens submitted before a bulk run starts a step (default: a step's
+        # worth, max_num_batched_tokens)
+        self.step_tokens: int | None = None
         self._serial = 0
         self.checksums: list[dict] = []
         self.llm = LLM(**kwargs)
@@ -217,7 +220,8 @@ class VllmEngine:
 
         # where the engine queues a step and returns (async scheduling, in this process), a step starts as soon as
         # a step's worth of tokens is in: the GPU computes it while the next ones are made and submitted
-        step_tokens = config.scheduler_config.max_num_batched_tokens if self._steps_overlap() else None
+        step_tokens = (self.step_tokens or config.scheduler_config.max_num_batched_tokens) \
+            if self._steps_overlap() else None
         processed: dict[str, object] = {}
         pending: dict[str, EngineRequest | PackedRequest] = {}
         tokens: dict[str, list[int]] = {}

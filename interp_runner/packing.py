@@ -66,14 +66,14 @@ class CellGroup:
         entries moved into its segment."""
         prefix, stride, members = self.prefix, self.stride, self.members
         patches = [payload["patch"] for _, payload in members]
-        pos = [np.frombuffer(x["pos"], dtype=np.int32) for x in patches]
-        cell = np.repeat(np.arange(len(pos)), [len(x) for x in pos])
-        pos = np.concatenate(pos)
+        pos_bytes = [x["pos"] for x in patches]
+        cell = np.repeat(np.arange(len(pos_bytes)), [len(x) // 4 for x in pos_bytes])
+        pos = np.frombuffer(b"".join(pos_bytes), dtype=np.int32)
         own = pos >= prefix
         chosen = own | (cell == 0)  # the first cell's entries before the prefix stand for every cell's
         where = np.flatnonzero(chosen)
         moved = (pos + np.where(own, cell * stride, 0))[where]
-        site, a, b = (np.concatenate([np.frombuffer(x[f], dtype=dtype) for x in patches])[where]
+        site, a, b = (np.frombuffer(b"".join([x[f] for x in patches]), dtype=dtype)[where]
                       for f, dtype in (("site", np.int32), ("a", np.float32), ("b", np.float32)))
         keys = [key for x in patches for key in x["src"]]
         keys = keys if len(where) == len(keys) else [keys[i] for i in where.tolist()]
@@ -111,7 +111,7 @@ def group_cells(requests: Sequence[EngineRequest], block_size: int, max_tokens: 
             continue
         prefix = payload["kv_private"] // block_size * block_size
         shared = tuple(tuple(x) for x in payload["kv"] if x[0] < prefix)
-        settings = tuple(sorted((k, v) for k, v in r.sampling.items() if k != "extra_args"))
+        settings = tuple((k, v) for k, v in r.sampling.items() if k != "extra_args")  # made in one order
         token_ids = r.prompt.token_ids
         prompts.setdefault(id(token_ids), token_ids)
         groups.setdefault((id(token_ids), prefix, shared, settings), []).append((r, payload))

@@ -59,14 +59,6 @@ def ref_key(run_digest: str, site: int, position: int) -> str:
     return f"{REF_PREFIX}{run_digest}:{site}:{position}"
 
 
-def ref_site(key: str) -> tuple[str, int] | None:
-    """(run digest, site) of a ``ref_key``; None for other source keys."""
-    if not key.startswith(REF_PREFIX):
-        return None
-    run, site, _ = key[len(REF_PREFIX):].rsplit(":", 2)
-    return run, int(site)
-
-
 def digest(obj) -> str:
     """A short content hash of a JSON-able value."""
     return hashlib.sha256(json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()).hexdigest()[:24]

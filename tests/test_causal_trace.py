@@ -84,16 +84,18 @@ def test_the_grid_compiles_into_one_batched_stage():
     assert all("kv_private" not in (r.payload or {}) for r in plan.requests if r.meta.get("part") != "cell")
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["cells-alone", "cells-packed"])
-def test_runs_keep_exactly_the_values_cells_read(pack):
+@pytest.mark.parametrize("pack, stride", [(False, 1), (True, 1), (True, 2)],
+                         ids=["cells-alone", "cells-packed", "cells-packed-stride-2"])
+def test_runs_keep_exactly_the_values_cells_read(pack, stride):
     """Each clean run keeps on the workers the (site, position) values its fact's cells restore; with packed
     cells, each corrupted run also keeps its residual stream at the layers its cells start from (their lowest
-    restored layer), and nothing more: the bank is sized for those (``Plan.refs``) and the plan releases them."""
+    restored layer, rounded down to a multiple of ``cell_entry_stride``), and nothing more: the bank is sized for
+    those (``Plan.refs``) and the plan releases them."""
     from interp_runner.payload import ref_key, unpack_positions
 
     config = trace_config("tiny_random", kinds=["resid", "mlp", "attn"], layers=[0, 3], window=2,
                           noise={"samples": 2})
-    config["engine"]["pack_cells"] = pack
+    config["engine"].update(pack_cells=pack, cell_entry_stride=stride)
     plan = prepare(config).plan
     kept, runs = set(), {}
     for r in plan.requests:
@@ -105,8 +107,10 @@ def test_runs_keep_exactly_the_values_cells_read(pack):
     assert kept == set(plan.refs)
     assert plan.engine_spec.bank_rows == len(plan.refs) + len(plan.sources)
     cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
-    # window 2 at layer 3: layers 2 and 3 (mlp, attn); resid at layer 3; layer 0 starts at the bottom
-    want = {("resid", 0): None, ("mlp", 0): None, ("attn", 0): None, ("resid", 3): 3, ("mlp", 3): 2, ("attn", 3): 2}
+    # window 2 at layer 3: layers 2 and 3 (mlp, attn); resid at layer 3 (2 with stride 2); layer 0 starts at the
+    # bottom
+    want = {("resid", 0): None, ("mlp", 0): None, ("attn", 0): None, ("resid", 3): 3 if stride == 1 else 2,
+            ("mlp", 3): 2, ("attn", 3): 2}
     for r in cells:
         start = r.payload.get("start")
         layer = want[r.meta["kind"], r.meta["layer"]]
@@ -392,15 +396,21 @@ def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path, monkeypatch)
     request is submitted (as where vLLM queues steps: GPUs)."""
     config = trace_config("tiny_random", kinds=["resid", "mlp"], layers=[0, 3], window=2, noise={"samples": 2},
                           filter=False, facts=long_fact(tmp_path, 34))
-    config["engine"]["max_model_len"] = 1024  # as the engine has
+    config["engine"].update(max_model_len=1024, cell_entry_stride=1)  # as the engine has; every entry layer
     from interp_runner.plugin import skipping
 
-    skipped = []
-    monkeypatch.setattr(skipping, "run_layers", lambda *a, _f=skipping.run_layers: skipped.append(1) or _f(*a))
+    computed = []  # per step run layer by layer: (rows computed, rows in the step)
+
+    def run_layers(runner, state, input_ids, positions, _f=skipping.run_layers):
+        computed.append((state.sequences["skip"]["rows"][-1], input_ids.shape[0]))
+        return _f(runner, state, input_ids, positions)
+
+    monkeypatch.setattr(skipping, "run_layers", run_layers)
     results = {}
     for pack in (False, True):
         plan, results[pack] = run_packed(tiny_engine, config, pack)
-    assert skipped  # packed cells restoring above layer 0 skipped the layers below
+    assert computed  # packed cells restoring above layer 0 skipped the layers below
+    assert any(rows < total for rows, total in computed)  # segments' padding is never computed
     core, calls = tiny_engine.llm.llm_engine.engine_core, []
     for name in ("add_request", "get_output"):
         monkeypatch.setattr(core, name, lambda *a, _f=getattr(core, name), _n=name: calls.append(_n) or _f(*a))

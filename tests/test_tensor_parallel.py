@@ -62,7 +62,8 @@ def trace_config(tp: int, store: str) -> dict:
     return {
         "model": {"name": "tiny_random"},
         "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 8,
-                   "tensor_parallel_size": tp, "pack_cells": True},
+                   "tensor_parallel_size": tp, "pack_cells": True,
+                   "cell_entry_stride": 1},
         "prompts": {"items": []},
         "causal_trace": {"facts": str(REPO / "experiments" / "causal_trace" / "facts.jsonl"), "num_facts": 1,
                          "kinds": ["resid", "mlp"], "layers": [0, 3], "window": 2, "noise": {"samples": 2},

@@ -236,6 +236,10 @@ class EngineConfig(Strict):
     # skipping the layers below its lowest restore; default: on a GPU (CPU blocks are 128 tokens: padding each
     # cell to a block would cost more than packing saves)
     pack_cells: bool | None = None
+    # packed cells enter the model at a multiple of this many layers (their lowest restore rounded down): fewer
+    # distinct entry layers mean less host work per step (attention metadata, kept streams) for a few more layers
+    # computed
+    cell_entry_stride: int = Field(4, ge=1)
 
     def packs_cells(self) -> bool:
         if self.pack_cells is not None:

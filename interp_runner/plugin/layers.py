@@ -27,13 +27,20 @@ def instrumented_forward(self, positions, hidden_states, residual, **kwargs):
     sites = self._interp_sites
     if sites is None:
         return self._interp_original_forward(positions, hidden_states, residual, **kwargs)
+    state = self._interp_state
+    direct = state.direct_sites  # None but in a step run layer by layer (never in a compiled graph)
 
     def at(hook, x, extra):
         """(x, extra) after the site's op; extra is only replaced where the site patches the stream."""
         site = sites.get(hook)
         if site is None:
             return x, extra
-        if extra is not None and site in self._interp_pair_sites:
+        pair = extra is not None and site in self._interp_pair_sites
+        if direct is not None:  # outside any graph: the op's work called as it is, where it has any
+            if site not in direct:
+                return x, extra
+            return state.apply_pair(x, extra, site) if pair else (state.apply_site(x, extra, site), extra)
+        if pair:
             return apply_pair(x, extra, site)
         return apply_site(x, extra, site), extra
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, pack_results, ref_key, ref_site, unpack_positions
+from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, pack_results, ref_key, unpack_positions
 from interp_runner.sites import site_id
 
 from . import skipping
@@ -206,6 +206,10 @@ class InterpState:
         self.patch_coef = torch.zeros((num_patch, self.max_rows, 2), dtype=torch.float32, device=self.device)
         self.patch_mask = torch.zeros((num_patch, self.max_rows), dtype=torch.bool, device=self.device)
         self._patched_flat: torch.Tensor | None = None  # entries written last step, cleared before the next
+        self._patched_sites: set[int] = set()  # the sites this step patches rows at
+        self._captured_sites: set[int] = set()  # the sites this step captures or keeps rows at
+        # a step run layer by layer (``skipping.run_layers``): the sites whose op has work in it, called directly
+        self.direct_sites: frozenset[int] | None = None
         self.bank_rows: dict[str, int] = {}
         self._bank_users: dict[str, int] = {}
         self._released: set[str] = set()
@@ -219,6 +223,7 @@ class InterpState:
         self._kept_by_site: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._streams: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._stream_users: dict[tuple[str, int], int] = {}
+        self._stream_keys: set[str] = set()  # the keys of the streams with users: never freed under them
         self.pending_scores: list[tuple[int, str, np.ndarray]] = []
         self.staging = PinnedRing(STAGING_BYTES if self.device.type == "cuda" else 0, self.device)
         self._pending: list[tuple] = []  # device-side results not yet read back: ("score" | "capture", ...)
@@ -264,6 +269,8 @@ class InterpState:
         return None if index is None else kernels.steer_add(x, self.table[index], self.row_slot)
 
     def _capture(self, site: int, out: torch.Tensor, extra: torch.Tensor | None) -> None:
+        if self.direct_sites is not None and site not in self._captured_sites:
+            return  # run layer by layer: no launch where the step captures nothing
         if self.capture_rows or self.keep_rows:  # an overflowing step, outside the graphs
             rows = self.capture_rows.get(site)
             if rows is not None:
@@ -296,6 +303,14 @@ class InterpState:
                                         self.patch_coef[p], self.patch_mask[p])
         self._capture(site, out, extra)
         return out, extra
+
+    def step_sites(self) -> frozenset[int]:
+        """The sites whose op has work this step (it steers, patches or captures some row); at the others the op
+        returns its input's values."""
+        sites = self._patched_sites | self._captured_sites
+        if self._row_slots is not False:
+            sites = sites | set(self.steer_sites)
+        return frozenset(sites)
 
     # -- vectors and slots --------------------------------------------------------------------------
     def register_vectors(self, vectors: dict[str, bytes]) -> int:
@@ -340,11 +355,7 @@ class InterpState:
         return len(self.bank_rows)
 
     def _free_source_if_unused(self, key: str) -> None:
-        if key in self._released and not self._bank_users.get(key):
-            if self._stream_users:
-                stream = ref_site(key)
-                if stream is not None and self._stream_users.get(stream):
-                    return
+        if key in self._released and not self._bank_users.get(key) and key not in self._stream_keys:
             self._streams.clear()  # a cache of validated streams: this row may be in one
             self._released.discard(key)
             self._unwritten.discard(key)
@@ -463,7 +474,9 @@ class InterpState:
             if not self._stream_users[stream]:
                 del self._stream_users[stream]
                 kept = self._kept_by_site.get(stream)
-                for key in kept[1].tolist() if kept is not None else ():
+                keys = kept[1].tolist() if kept is not None else ()
+                self._stream_keys.difference_update(keys)
+                for key in keys:
                     self._free_source_if_unused(key)
         if plan.steer_key is None:
             return
@@ -519,32 +532,35 @@ class InterpState:
     def _admit_starts(self, plan: RequestPlan, starts: list) -> None:
         """Each cell's first layer and the bank rows of the stream its segment starts from there."""
         cells = plan.cells
-        first = np.zeros(len(starts), dtype=np.int64)
-        inject = np.zeros((len(starts), cells.stride), dtype=np.int64)
-        segment: dict[tuple[str, int], np.ndarray] = {}  # the rows of one stream at the segment's positions
-        for k, start in enumerate(starts):
-            if not start:
-                continue
-            layer, run = int(start[0]), start[1]
+        distinct: dict[tuple, int] = {}  # (layer, run) -> its index (cells of a request share a few)
+        which = np.array([distinct.setdefault((int(s[0]), s[1]), len(distinct)) if s else -1 for s in starts],
+                         dtype=np.int64)
+        layers = np.zeros(len(distinct) + 1, dtype=np.int64)  # the last: cells that start at the bottom
+        table = np.zeros((len(distinct) + 1, cells.stride), dtype=np.int64)
+        segment = []  # the streams read: (run, site)
+        for (layer, run), i in distinct.items():
             key = (run, site_id(layer, "pre_attn"))
-            rows = segment.get(key)
+            stream, rows = self._stream(*key), None
+            if stream is not None:
+                positions, bank = stream
+                a = int(np.searchsorted(positions, cells.prefix))
+                if a + cells.length <= len(positions) and positions[a + cells.length - 1] == \
+                        cells.prefix + cells.length - 1 and positions[a] == cells.prefix:
+                    rows = bank[a : a + cells.length]
             if rows is None:
-                stream = self._stream(*key)
-                if stream is not None:
-                    positions, bank = stream
-                    a = int(np.searchsorted(positions, cells.prefix))
-                    if a + cells.length <= len(positions) and positions[a + cells.length - 1] == \
-                            cells.prefix + cells.length - 1 and positions[a] == cells.prefix:
-                        rows = segment[key] = bank[a : a + cells.length]
-                if rows is None:
-                    plan.void = f"the residual stream its cells start from is not on the worker ({run}, layer {layer})"
-                    return
-            first[k] = layer
-            inject[k, : cells.length] = rows
+                plan.void = f"the residual stream its cells start from is not on the worker ({run}, layer {layer})"
+                return
+            layers[i] = layer
+            table[i, : cells.length] = rows
+            segment.append(key)
+        first, inject = layers[which], table[which]
         cells.start, cells.inject = first, inject
         plan.streams = tuple(segment)
         for key in segment:
-            self._stream_users[key] = self._stream_users.get(key, 0) + 1
+            users = self._stream_users.get(key, 0)
+            if not users:
+                self._stream_keys.update(self._kept_by_site[key][1].tolist())
+            self._stream_users[key] = users + 1
         self._fold(b"start", first, inject)
 
     def _admit_patch(self, plan: RequestPlan, patch: dict) -> None:
@@ -719,6 +735,7 @@ class InterpState:
                         kept_keys.append(named)
                         total += len(dest)
         self.capture_rows, self.keep_rows, self._keep_dest, self._keep_keys = {}, {}, None, kept_keys
+        self._captured_sites = rows_by_site.keys() | keep_by_site.keys()
         if self._cap_count_dirty:
             self.cap_count.zero_()
             self._cap_count_dirty = False
@@ -814,9 +831,11 @@ class InterpState:
         if self._patched_flat is not None:
             mask[self._patched_flat] = False
             self._patched_flat = None
+        self._patched_sites = set()
         if not flat:
             return
         flat, banks = np.array(flat, dtype=np.int64), np.array(banks, dtype=np.int64)
+        self._patched_sites = {self.patch_sites[i] for i in np.unique(flat // self.max_rows).tolist()}
         if self.row_of is not None:
             site, row = np.divmod(flat, self.max_rows)
             flat = site * self.max_rows + self.row_of[row]
@@ -846,7 +865,7 @@ class InterpState:
         computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
         block = runner.cache_config.block_size
         # per request, its sequences: (query starts, query lengths, sequence lengths, token shifts, first shifted
-        # block, first layer); a request that is not packed is one sequence
+        # block, first layer, tokens before a segment's padding); a request that is not packed is one sequence
         parts, part_owner = [], []
         score_rows, score_meta = [], []
         inject_rows, inject_at = [], []  # cells that skip layers: bank rows of their tokens' stream, first row
@@ -855,12 +874,12 @@ class InterpState:
             end = first + count
             cells = plan.cells if plan is not None else None
             if cells is None or end <= cells.prefix:
-                parts.append(([starts[i]], [count], [end], [0], [0], [0]))
+                parts.append(([starts[i]], [count], [end], [0], [0], [0], [count]))
                 part_owner.append(i)
                 continue
             p, stride = cells.prefix, cells.stride
             if first < p:
-                parts.append(([starts[i]], [p - first], [p], [0], [0], [0]))
+                parts.append(([starts[i]], [p - first], [p], [0], [0], [0], [p - first]))
                 part_owner.append(i)
             lo = max(first, p)
             k = np.arange((lo - p) // stride, (end - 1 - p) // stride + 1)
@@ -868,7 +887,8 @@ class InterpState:
             seg_hi = np.minimum(end, p + (k + 1) * stride)
             shift = k * stride
             parts.append((starts[i] + seg_lo - first, seg_hi - seg_lo, seg_hi - shift, shift,
-                          np.full(len(k), p // block), cells.start[k] if cells.start is not None else np.zeros_like(k)))
+                          np.full(len(k), p // block), cells.start[k] if cells.start is not None else np.zeros_like(k),
+                          np.clip(p + shift + cells.length - seg_lo, 0, seg_hi - seg_lo)))
             part_owner.append(i)
             if cells.start is not None:
                 own = seg_lo - p - shift  # the first of each segment's tokens in this step, as a segment offset
@@ -880,38 +900,47 @@ class InterpState:
             hit = (last >= seg_lo) & (last < seg_hi)
             score_rows.append(starts[i] + last[hit] - first)
             score_meta += [(cells.rids[j], cells.score_ids[j]) for j in k[hit].tolist()]
-        q_start, q_len, seq_len, shift, from_block, first_layer = (
-            np.concatenate([np.asarray(part[f], dtype=np.int64) for part in parts]) for f in range(6))
+        q_start, q_len, seq_len, shift, from_block, first_layer, live = (
+            np.concatenate([np.asarray(part[f], dtype=np.int64) for part in parts]) for f in range(7))
         owner = np.repeat(np.array(part_owner), [len(part[1]) for part in parts])
         self._fold(b"sequences", q_start, q_len, seq_len, shift, first_layer)
         num_tokens = int(starts[n])
-        num_seqs = len(q_len)
         positions = np.repeat(seq_len - q_len - q_start, q_len) + np.arange(num_tokens)
         skip = None
-        if first_layer.any():
-            # the model runs the sequences in order of their first layer, so a layer's are a prefix of them
+        if not live.any():  # a step of nothing but padding: computed as it is
+            live = q_len
+        if first_layer.any() or (live < q_len).any():
+            # the model runs the sequences in order of their first layer, so a layer's rows are a prefix of them;
+            # segments' padding is never computed (no token of theirs reads it): its rows come last, in no layer
             inject = np.zeros(num_tokens, dtype=np.int64)
             for rows, at in zip(inject_rows, inject_at):
                 inject[at : at + len(rows)] = rows
             order = np.argsort(first_layer, kind="stable")
+            order = order[live[order] > 0]
+            padding = q_len - live
+            dead = np.repeat(q_start + live, padding) + np.arange(int(padding.sum())) \
+                - np.repeat(np.cumsum(padding) - padding, padding)
+            seq_len = seq_len - padding
             q_len, seq_len, shift, from_block, first_layer, owner = (
-                x[order] for x in (q_len, seq_len, shift, from_block, first_layer, owner))
-            old_start, q_start = q_start[order], np.zeros(num_seqs, dtype=np.int64)
+                x[order] for x in (live, seq_len, shift, from_block, first_layer, owner))
+            old_start, q_start = q_start[order], np.zeros(len(order), dtype=np.int64)
             np.cumsum(q_len[:-1], out=q_start[1:])
-            perm = np.repeat(old_start - q_start, q_len) + np.arange(num_tokens)  # model row -> batch row
-            self.row_of = np.empty(num_tokens, dtype=np.int64)
+            computed_rows = int(q_len.sum())
+            perm = np.concatenate([np.repeat(old_start - q_start, q_len) + np.arange(computed_rows), dead])
+            self.row_of = np.empty(num_tokens, dtype=np.int64)  # model row of each batch row
             self.row_of[perm] = np.arange(num_tokens)
             token_layer = np.repeat(first_layer, q_len)
             layers = np.arange(int(first_layer[-1]) + 1)
             num_first = int(np.searchsorted(token_layer, 0, side="right"))
             skip = {
-                "perm": self.staging.upload(perm),
+                "perm": self.staging.upload(perm[:computed_rows]),  # model row -> batch row, computed rows
                 "rows": np.searchsorted(token_layer, layers, side="right").tolist(),  # a layer's rows
                 "seqs": np.searchsorted(first_layer, layers, side="right").tolist(),  # its sequences
-                "inject": self.staging.upload(inject[perm[num_first:]]),
+                "inject": self.staging.upload(inject[perm[num_first:computed_rows]]),
             }
             positions = positions[perm]
             self._fold(b"skip", perm, inject)
+        num_seqs = len(q_len)
         width = int((-(-seq_len // block)).max())
         cols = np.arange(width)[None, :]
         cols = cols + np.where(cols >= from_block[:, None], (shift // block)[:, None], 0)

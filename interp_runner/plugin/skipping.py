@@ -5,8 +5,10 @@ above layer 0 orders its attention sequences by first layer (``InterpState.plan_
 ``l`` computes are a prefix of the step's rows: those of the sequences that start at or below ``l``. At its first
 layer a segment's rows enter with the residual stream the corrupted run kept there (bank rows), as ``hidden`` with
 a zero ``residual``: vLLM's deferred add then gives that stream exactly. Each attention layer reads metadata built
-for its prefix of sequences, and writes KV for its rows only (layers a segment skips are never read by it). The
-layers run eagerly (a layer's rows vary), with vLLM's fused kernels on GPUs.
+for its prefix of sequences, and writes KV for its rows only (layers a segment skips are never read by it). A
+segment's padding (to a whole block) is computed in no layer: no token reads it, so its rows stay zeros. The
+layers run eagerly (a layer's rows vary), with vLLM's fused kernels on GPUs; the interp ops' work is called
+directly, only at the sites that steer, patch or capture something in the step.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import torch
 
 def metadata_by_sequences(build, common, skip: dict, num_seqs: int) -> dict[int, object]:
     """Attention metadata per number of leading sequences a layer computes (``build``: the backend builder's),
-    from the step's ``common`` metadata in batch-row order; the slot mapping is put in model-row order."""
-    rows = skip["rows"][-1]
+    from the step's ``common`` metadata in batch-row order; the slot mapping is put in model-row order (rows never
+    computed, a segment's padding, have none: their KV is never written)."""
     slots = skip.get("slots")
     if slots is None:
-        slots = skip["slots"] = common.slot_mapping[:rows].index_select(0, skip["perm"])
+        slots = skip["slots"] = common.slot_mapping.index_select(0, skip["perm"])
     query_start_cpu = common.query_start_loc_cpu
     seq_lens_cpu = common._seq_lens_cpu
     out = {}
@@ -30,7 +32,7 @@ def metadata_by_sequences(build, common, skip: dict, num_seqs: int) -> dict[int,
         if k in out or k == 0:
             continue
         if k == num_seqs:
-            part = common.replace(slot_mapping=slots)
+            part = common.replace(slot_mapping=slots, num_actual_tokens=n)
         else:
             part = common.replace(
                 query_start_loc=common.query_start_loc[: k + 1], query_start_loc_cpu=query_start_cpu[: k + 1],
@@ -121,13 +123,13 @@ def run_layers(runner, state, input_ids: torch.Tensor, positions: torch.Tensor) 
         raise RuntimeError("interp: cells that skip layers need one attention metadata per layer")
     names = attention_layers(runner)
     rows, seqs, perm, inject = skip["rows"], skip["seqs"], skip["perm"], skip["inject"]
-    total = rows[-1]
     slots = skip["slots"]
-    ids = input_ids[:total].index_select(0, perm)
+    ids = input_ids.index_select(0, perm)
     first = rows[0]
     saved = dict(context.attn_metadata), dict(context.slot_mapping)
     hidden = inner.embed_input_ids(ids[:first])
     residual = None
+    state.direct_sites = state.step_sites()  # the interp ops' work called directly, where it has any
     try:
         with fused_kernels(model):
             for index, layer in enumerate(layers):
@@ -147,6 +149,7 @@ def run_layers(runner, state, input_ids: torch.Tensor, positions: torch.Tensor) 
                 hidden, residual = layer(positions[:n], hidden, residual)
             hidden, _ = inner.norm(hidden, residual)
     finally:
+        state.direct_sites = None
         context.attn_metadata.clear()
         context.attn_metadata.update(saved[0])
         context.slot_mapping.clear()
