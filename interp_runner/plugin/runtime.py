@@ -206,7 +206,7 @@ class InterpState:
         self.patch_coef = torch.zeros((num_patch, self.max_rows, 2), dtype=torch.float32, device=self.device)
         self.patch_mask = torch.zeros((num_patch, self.max_rows), dtype=torch.bool, device=self.device)
         self._patched_flat: torch.Tensor | None = None  # entries written last step, cleared before the next
-        self._patched_sites: set[int] = set()  # the sites this step patches rows at
+        self._patched_host: np.ndarray | None = None  # this step's patch entries ([patch site, row] flat indices)
         self._captured_sites: set[int] = set()  # the sites this step captures or keeps rows at
         # a step run layer by layer (``skipping.run_layers``): the sites whose op has work in it, called directly
         self.direct_sites: frozenset[int] | None = None
@@ -307,7 +307,9 @@ class InterpState:
     def step_sites(self) -> frozenset[int]:
         """The sites whose op has work this step (it steers, patches or captures some row); at the others the op
         returns its input's values."""
-        sites = self._patched_sites | self._captured_sites
+        sites = set(self._captured_sites)
+        if self._patched_host is not None:
+            sites |= {self.patch_sites[i] for i in np.unique(self._patched_host // self.max_rows).tolist()}
         if self._row_slots is not False:
             sites = sites | set(self.steer_sites)
         return frozenset(sites)
@@ -831,11 +833,11 @@ class InterpState:
         if self._patched_flat is not None:
             mask[self._patched_flat] = False
             self._patched_flat = None
-        self._patched_sites = set()
+        self._patched_host = None
         if not flat:
             return
         flat, banks = np.array(flat, dtype=np.int64), np.array(banks, dtype=np.int64)
-        self._patched_sites = {self.patch_sites[i] for i in np.unique(flat // self.max_rows).tolist()}
+        self._patched_host = flat
         if self.row_of is not None:
             site, row = np.divmod(flat, self.max_rows)
             flat = site * self.max_rows + self.row_of[row]
@@ -917,10 +919,8 @@ class InterpState:
                 inject[at : at + len(rows)] = rows
             order = np.argsort(first_layer, kind="stable")
             order = order[live[order] > 0]
-            padding = q_len - live
-            dead = np.repeat(q_start + live, padding) + np.arange(int(padding.sum())) \
-                - np.repeat(np.cumsum(padding) - padding, padding)
-            seq_len = seq_len - padding
+            dead = np.flatnonzero(np.arange(num_tokens) - np.repeat(q_start, q_len) >= np.repeat(live, q_len))
+            seq_len = seq_len - (q_len - live)
             q_len, seq_len, shift, from_block, first_layer, owner = (
                 x[order] for x in (live, seq_len, shift, from_block, first_layer, owner))
             old_start, q_start = q_start[order], np.zeros(len(order), dtype=np.int64)
