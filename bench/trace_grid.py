@@ -208,7 +208,7 @@ HOST_PARTS = (  # (file, function, what) for the host profile; cumulative second
     ("gpu_model_runner.py", "_model_forward", "forward (launches, our planner included)"),
     ("runtime.py", "before_forward", "our planner"),
     ("runtime.py", "plan_sequences", "our packed cells' attention layout"),
-    ("runtime.py", "record_scores", "our scoring (launches)"),
+    ("readback.py", "record_scores", "our scoring (launches)"),
     ("gpu_model_runner.py", "sample_tokens", "vLLM: sampling"),
     ("gpu_model_runner.py", "get_output", "host waiting for the GPU"),
     ("gpu_model_runner.py", "synchronize_input_prep", "host waiting for the previous step's inputs"),

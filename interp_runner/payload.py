@@ -15,8 +15,9 @@ Request payload (msgpack-able)::
      "score": int32 bytes,                              # token ids scored after the last prompt token
      "kv": [[start, end, digest], ...],                 # what changes the KV of positions [start, end)
      "kv_private": int,                                 # KV from here on is this request's alone
-     "start": [layer, run_digest]}                      # its own positions may skip the layers before
+     "start": [layer, run_digest],                      # its own positions may skip the layers before
                                                         #   ``layer``: there they equal the run's
+     "force": int32 bytes}                              # the tokens it generates, in order (teacher forcing)
 
 Steering vectors are registered on the workers once per engine, keyed by the sha256 of their float32 bytes;
 patch sources likewise, in a bank of rows that stays on the workers while requests use them. A source key may be
@@ -34,7 +35,7 @@ that layer), and skip the layers below.
 from __future__ import annotations
 
 import hashlib
-import inspect
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,7 @@ class EngineSpec:
     capture_sites: tuple[int, ...]
     patch_sites: tuple[int, ...] = ()
     bank_rows: int = 0  # patch source rows the workers keep at once
+    force_tokens: bool = False  # some request's payload has ``force``: the sampler's processor is loaded
 
     def as_additional_config(self) -> dict:
         return {
@@ -140,6 +142,7 @@ class EngineSpec:
             tuple(sorted(set(self.capture_sites) | set(other.capture_sites))),
             tuple(sorted(set(self.patch_sites) | set(other.patch_sites))),
             max(self.bank_rows, other.bank_rows),
+            self.force_tokens or other.force_tokens,
         )
 
     def covers(self, other: EngineSpec) -> bool:
@@ -148,21 +151,25 @@ class EngineSpec:
             and set(other.capture_sites) <= set(self.capture_sites)
             and set(other.patch_sites) <= set(self.patch_sites)
             and other.bank_rows <= self.bank_rows
+            and (self.force_tokens or not other.force_tokens)
         )
 
 
 def plugin_fingerprint() -> str:
-    """Hash of the plugin's source: part of vLLM's compile-cache key, so no stale graph is reused."""
-    from interp_runner import plugin, sites
-    from interp_runner.plugin import layers, ops, prefix_cache, runtime
-
-    import interp_runner_kernels
-    import interp_runner_kernels.reference as reference
-
+    """Hash of the plugin's source: part of vLLM's compile-cache key, so no stale graph is reused. The files are
+    read, not imported (this module stays free of torch and vLLM): every module of ``interp_runner.plugin``,
+    ``interp_runner.sites`` and the kernels package, each under its name, in sorted order."""
+    package = Path(__file__).resolve().parent
+    kernels = importlib.util.find_spec("interp_runner_kernels")  # located, not imported
+    files = [(f"plugin/{p.relative_to(package / 'plugin').as_posix()}", p) for p in (package / "plugin").rglob("*.py")]
+    files.append(("sites.py", package / "sites.py"))
+    if kernels is None or not kernels.submodule_search_locations:
+        raise ImportError("the interp_runner_kernels package is not installed")
+    root = Path(next(iter(kernels.submodule_search_locations)))
+    files += [(f"kernels/{p.name}", p) for p in root.glob("*.py")]
     h = hashlib.sha256()
-    for module in (plugin, layers, ops, prefix_cache, runtime, interp_runner_kernels, reference, sites):
-        h.update(inspect.getsource(module).encode())
-    triton_source = Path(interp_runner_kernels.__file__).with_name("triton_rows.py")
-    if triton_source.exists():  # read, not imported: hashing must not need Triton
-        h.update(triton_source.read_bytes())
+    for name, path in sorted(files):
+        data = path.read_bytes()
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
     return h.hexdigest()[:16]

@@ -73,7 +73,7 @@ def test_pinned_ring_reuses_its_buffer_only_after_a_wait():
     import numpy as np
     import torch
 
-    from interp_runner.plugin.runtime import PinnedRing
+    from interp_runner.plugin.staging import PinnedRing
 
     waits = []
     ring = PinnedRing(256, torch.device("cpu"), synchronize=lambda: waits.append(ring.offset))
@@ -113,14 +113,17 @@ def _request(payload: dict | None, prompt_len: int):
 
 
 def _runner(requests: dict, step: list[tuple[str, int, int]]):
-    """The model runner's view of one step: ``step`` lists (request id, first position, rows) in batch order."""
+    """The planner's view of one step of a V1 model runner: ``step`` lists (request id, first position, rows) in
+    batch order."""
     import numpy as np
 
+    from interp_runner.plugin.runner_view import V1RunnerView
+
     counts = [rows for _, _, rows in step]
-    return NS(requests=requests,
-              input_batch=NS(num_reqs=len(step), req_ids=[rid for rid, _, _ in step],
-                             num_computed_tokens_cpu=np.array([first for _, first, _ in step], np.int32)),
-              query_start_loc=NS(np=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)))
+    return V1RunnerView(NS(requests=requests,
+                           input_batch=NS(num_reqs=len(step), req_ids=[rid for rid, _, _ in step],
+                                          num_computed_tokens_cpu=np.array([first for _, first, _ in step], np.int32)),
+                           query_start_loc=NS(np=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))))
 
 
 def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_steps():
@@ -176,12 +179,12 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
                 finished = {"B"} if index >= 10 else set()
                 live = {r: v for r, v in requests.items() if r not in finished}
                 state.before_forward(_runner(live, step), sum(rows for _, _, rows in step))
-                slots = state.row_slot.numpy()
+                slots = state.steering.row_slot.numpy()
                 row = 0
                 for rid, first, count in step:
                     for position in range(first, first + count):
                         for k, site in enumerate(sites):
-                            got = state.table[k, slots[row]].numpy()
+                            got = state.steering.table[k, slots[row]].numpy()
                             np.testing.assert_array_equal(got, expected(rid, position, site),
                                                           err_msg=f"{rid} position {position} site {site}")
                         row += 1
@@ -212,9 +215,9 @@ def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fi
         requests = {f"{k}-{id(keys)}": _request({"rid": k, "steer": [[site, PREFILL | DECODE, k, 1.0]]}, 1)
                     for k in keys}
         state.before_forward(_runner(requests, [(rid, 0, 1) for rid in requests]), len(keys))
-        slots = state.row_slot.numpy()[: len(keys)].copy()
+        slots = state.steering.row_slot.numpy()[: len(keys)].copy()
         for row, key in enumerate(keys):
-            np.testing.assert_array_equal(state.table[0, slots[row]].numpy(), vectors[key], err_msg=key)
+            np.testing.assert_array_equal(state.steering.table[0, slots[row]].numpy(), vectors[key], err_msg=key)
         state.after_forward()
         return dict(zip(keys, slots.tolist()))
 
@@ -329,7 +332,7 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
         state = runtime.InterpState(cfg, {"plugin": "test", "steer_sites": [], "capture_sites": [],
                                           "patch_sites": [4, 9], "bank_rows": 8})
     state.register_sources({k: np.full(4, i, np.float32).tobytes() for i, k in enumerate(("s1", "s2", "s3"))})
-    bank = state.bank_rows
+    bank = state.patch_bank.rows
 
     def patch(entries):  # (site, position, source, a, b)
         sites, positions, keys, a, b = zip(*entries)
@@ -342,9 +345,10 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
     requests = {"a": first, "b": other}
 
     def applied():
-        flat = torch.nonzero(state.patch_mask.view(-1)).flatten().tolist()
-        return [(f // state.max_rows, f % state.max_rows, int(state.patch_idx.view(-1)[f]),
-                 state.patch_coef.view(-1, 2)[f].tolist()) for f in flat]
+        rows = state.patches
+        flat = torch.nonzero(rows.mask.view(-1)).flatten().tolist()
+        return [(f // state.max_rows, f % state.max_rows, int(rows.idx.view(-1)[f]), rows.coef.view(-1, 2)[f].tolist())
+                for f in flat]
 
     # step 1: "b" whole (rows 0-2), then "a" positions 0-3 (rows 3-6); step 2: "a" positions 4-7 (rows 0-3)
     state.before_forward(_runner(requests, [("b", 0, 3), ("a", 0, 4)]), 7)

@@ -15,11 +15,11 @@ def register() -> None:
     global _registered
     if _registered or os.environ.get(ENABLE_ENV) != "1":
         return
-    from . import layers, ops, prefix_cache, runtime
+    from . import layers, ops, prefix_cache, runner_patches
 
     ops.register_ops()
     layers.instrument_decoder_layers()
-    runtime.instrument_model_runner()
+    runner_patches.instrument_model_runner()
     prefix_cache.instrument_block_hashing()
     _registered = True
 

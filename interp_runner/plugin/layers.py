@@ -16,11 +16,10 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from interp_runner.models.architectures import DECODER_LAYERS
 from interp_runner.payload import ENGINE_KEY
-from interp_runner.sites import site_id
+from interp_runner.sites import HOOKS, site_id
 
 from . import runtime
 from .ops import apply_pair, apply_site
-
 
 
 def instrumented_forward(self, positions, hidden_states, residual, **kwargs):
@@ -77,7 +76,7 @@ def _instrumented_init(original_init):
         active = set(spec["steer_sites"]) | set(spec["capture_sites"]) | set(spec["patch_sites"])
         self._interp_sites = {
             hook: site_id(layer, hook)
-            for hook in ("pre_attn", "attn_out", "post_attn", "mlp_out", "post_block")
+            for hook in HOOKS
             if site_id(layer, hook) in active
         }
         self._interp_pair_sites = frozenset(s for s in self._interp_sites.values() if s in state.patch_index)

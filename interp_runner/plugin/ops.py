@@ -5,23 +5,36 @@ step patches that site, and, on steps that capture, copies the selected rows of 
 other half of the residual stream that vLLM keeps apart) out before any later op can change them in place.
 ``interp::site_pair(x, extra, site)`` does the same at residual-stream sites that patch, returning both halves,
 since a patched row must own the whole stream.
+
+The ops act on the state of the engine that runs (``activate``: set by the model runner's patch each step, and
+while an engine's model is built).
 """
 
 import torch
 
 from typing import Optional
 
-from . import runtime
-
 _ops_registered = False
+_active = None  # the InterpState of the engine that runs
+
+
+def activate(state) -> None:
+    global _active
+    _active = state
+
+
+def active_state():
+    if _active is None:
+        raise RuntimeError("interp op called outside an instrumented engine")
+    return _active
 
 
 def _site_impl(x: torch.Tensor, extra: Optional[torch.Tensor], site: int) -> torch.Tensor:
-    return runtime.active_state().apply_site(x, extra, site)
+    return active_state().apply_site(x, extra, site)
 
 
 def _site_pair_impl(x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return runtime.active_state().apply_pair(x, extra, site)
+    return active_state().apply_pair(x, extra, site)
 
 
 def register_ops() -> None:

@@ -1,7 +1,7 @@
 """Packed cells that skip layers: the model run layer by layer, each layer over the rows that have entered by then.
 
 Below its lowest restore, a causal-trace cell computes what its corrupted run computes. A step whose cells start
-above layer 0 orders its attention sequences by first layer (``InterpState.plan_sequences``), so the rows layer
+above layer 0 orders its attention sequences by first layer (``sequences.PackedSequences.plan``), so the rows layer
 ``l`` computes are a prefix of the step's rows: those of the sequences that start at or below ``l``. At its first
 layer a segment's rows enter with the residual stream the corrupted run kept there (bank rows), as ``hidden`` with
 a zero ``residual``: vLLM's deferred add then gives that stream exactly. Each attention layer reads metadata built
@@ -44,21 +44,6 @@ def metadata_by_sequences(build, common, skip: dict, num_seqs: int) -> dict[int,
             )
         out[k] = build(part)
     return out
-
-
-def attention_layers(runner) -> list[list[tuple[str, int]]]:
-    """Per decoder layer, its attention layers: (name, id of their metadata builder)."""
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    cached = runner.__dict__.get("_interp_attention_layers")
-    if cached is None:
-        by_layer: dict[int, list] = {}
-        for group in runner.attn_groups[0]:
-            builder = group.metadata_builders[0]
-            for name in group.layer_names:
-                by_layer.setdefault(extract_layer_index(name), []).append((name, id(builder)))
-        cached = runner._interp_attention_layers = [by_layer.get(i, []) for i in range(max(by_layer) + 1)]
-    return cached
 
 
 def _fused_rms_norm(norm, native):
@@ -106,14 +91,16 @@ def fused_kernels(model):
             module._forward_method = usual
 
 
-def run_layers(runner, state, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def run_layers(view, state, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The step's hidden states (batch-row order, as the model would return them), each row computed from its
-    sequence's first layer on."""
+    sequence's first layer on (``view``: the model runner's ``runner_view.RunnerView``)."""
     from vllm.forward_context import get_forward_context
 
-    skip = state.sequences["skip"]
-    metadata = state.layer_metadata
-    model = runner.get_model()
+    packing = state.packing
+    skip = packing.sequences["skip"]
+    metadata = packing.layer_metadata
+    bank = state.patch_bank.values
+    model = view.model()
     inner = model.model
     layers = inner.layers
     if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(layers)) != len(layers):
@@ -121,7 +108,7 @@ def run_layers(runner, state, input_ids: torch.Tensor, positions: torch.Tensor) 
     context = get_forward_context()
     if not isinstance(context.attn_metadata, dict) or not isinstance(context.slot_mapping, dict):
         raise RuntimeError("interp: cells that skip layers need one attention metadata per layer")
-    names = attention_layers(runner)
+    names = view.attention_layers()
     rows, seqs, perm, inject = skip["rows"], skip["seqs"], skip["perm"], skip["inject"]
     slots = skip["slots"]
     ids = input_ids.index_select(0, perm)
@@ -129,7 +116,7 @@ def run_layers(runner, state, input_ids: torch.Tensor, positions: torch.Tensor) 
     saved = dict(context.attn_metadata), dict(context.slot_mapping)
     hidden = inner.embed_input_ids(ids[:first])
     residual = None
-    state.direct_sites = state.step_sites()  # the interp ops' work called directly, where it has any
+    state.call_ops_directly(True)  # the interp ops' work called directly, where it has any
     try:
         with fused_kernels(model):
             for index, layer in enumerate(layers):
@@ -137,7 +124,7 @@ def run_layers(runner, state, input_ids: torch.Tensor, positions: torch.Tensor) 
                 k = seqs[min(index, len(seqs) - 1)]
                 have = hidden.shape[0]
                 if n > have:  # rows that start here: the stream their run kept, all in hidden
-                    entering = state.bank.index_select(0, inject[have - first : n - first])
+                    entering = bank.index_select(0, inject[have - first : n - first])
                     hidden = torch.cat([hidden, entering])
                     zeros = torch.zeros_like(entering)
                     residual = zeros if residual is None else torch.cat([residual, zeros])
@@ -149,7 +136,7 @@ def run_layers(runner, state, input_ids: torch.Tensor, positions: torch.Tensor) 
                 hidden, residual = layer(positions[:n], hidden, residual)
             hidden, _ = inner.norm(hidden, residual)
     finally:
-        state.direct_sites = None
+        state.call_ops_directly(False)
         context.attn_metadata.clear()
         context.attn_metadata.update(saved[0])
         context.slot_mapping.clear()

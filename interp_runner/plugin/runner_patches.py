@@ -1,0 +1,144 @@
+"""The patches of vLLM's V1 GPU model runner: every place the plugin hooks into a step.
+
+- ``_prepare_inputs``: a step with packed cells is planned (``InterpState.plan_sequences``) and the attention
+  metadata builders see its sequences instead of its requests (``_packed_sequences``);
+- ``_model_forward``: the state plans the step (``InterpState.before_forward``) and finishes it (``after_forward``);
+  a step that captures outside the buffers or runs packed cells runs outside CUDA graphs, one that skips layers
+  layer by layer (``skipping.run_layers``);
+- the model's ``compute_logits`` (outside the compiled graph): the step's scores.
+
+The runner is read through ``runner_view.V1RunnerView``. (Prefix-cache hashing is patched in vLLM's engine core,
+another process: ``prefix_cache``; decoder layers in ``layers``.)
+"""
+
+from __future__ import annotations
+
+from . import skipping
+from .ops import activate
+from .runner_view import V1RunnerView
+
+
+def state_of(runner):
+    """The interp state of a model runner's engine (None: built without interp ops), bound to the runner on first
+    use."""
+    cached = runner.__dict__.get("_interp_state", False)
+    if cached is not False:
+        return cached
+    state = None
+    if hasattr(runner, "model"):
+        for module in runner.get_model().modules():
+            state = getattr(module, "_interp_state", None)
+            if state is not None:
+                break
+        if state is not None:
+            _score_logits(runner.model, state)
+            runner._interp_view = V1RunnerView(runner)
+        runner._interp_state = state
+    return state
+
+
+def view_of(runner) -> V1RunnerView:
+    """The view of a runner whose state is bound (``state_of``)."""
+    return runner._interp_view
+
+
+def plans_steps(runner) -> bool:
+    """Whether the runner's class is the one patched here (any other runner would never plan a step)."""
+    return any("_interp_original_model_forward" in c.__dict__ for c in type(runner).__mro__)
+
+
+def _score_logits(model, state) -> None:
+    """Wrap the model's compute_logits (outside the compiled graph) so scoring steps read their logits; packed
+    cells' logits are computed here too, from their rows of the step's hidden states."""
+    original = model.compute_logits
+    readback = state.readback
+
+    def compute_logits(hidden_states, *args, **kwargs):
+        logits = original(hidden_states, *args, **kwargs)
+        if readback.score_rows and logits is not None:
+            readback.record_scores(logits)
+        if readback.cell_hidden is not None:
+            cells, readback.cell_hidden = original(readback.cell_hidden), None
+            if cells is not None:
+                readback.record_cell_scores(cells)
+        return logits
+
+    model.compute_logits = compute_logits
+
+
+def _packed_sequences(builder, state) -> None:
+    """Make an attention metadata builder see a packed step's sequences instead of its requests."""
+    if "build" in builder.__dict__:
+        return
+    original = builder.build
+    packing = state.packing
+
+    def build(common_prefix_len, common_attn_metadata, *args, **kwargs):
+        seqs = packing.sequences
+        if seqs is None:
+            return original(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        common_attn_metadata = common_attn_metadata.replace(
+            query_start_loc=seqs["query_start_loc"], query_start_loc_cpu=seqs["query_start_loc_cpu"],
+            seq_lens=seqs["seq_lens"], _seq_lens_cpu=seqs["seq_lens_cpu"], seq_lens_cpu_upper_bound=seqs["seq_lens_cpu"],
+            _num_computed_tokens_cpu=seqs["computed_cpu"], num_reqs=seqs["num_reqs"],
+            max_query_len=seqs["max_query_len"], max_seq_len=seqs["max_seq_len"],
+            block_table_tensor=seqs["block_table"], is_prefilling=seqs["is_prefilling"],
+        )
+        # no cascade over the requests' common prefix; no ahead-of-time schedule (its buffer is sized for
+        # max_num_seqs sequences)
+        kwargs["fast_build"] = True
+        if seqs["skip"] is None:
+            return original(0, common_attn_metadata, *args, **kwargs)
+        variants = packing.layer_metadata[id(builder)] = skipping.metadata_by_sequences(
+            lambda common: original(0, common, *args, **kwargs), common_attn_metadata, seqs["skip"], seqs["num_reqs"])
+        return variants[seqs["num_reqs"]]
+
+    builder.build = build
+
+
+def instrument_model_runner() -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if "_interp_original_model_forward" in GPUModelRunner.__dict__:
+        return
+    original = GPUModelRunner._model_forward
+    original_prepare = GPUModelRunner._prepare_inputs
+    GPUModelRunner._interp_original_model_forward = original
+
+    def _prepare_inputs(self, *args, **kwargs):
+        out = original_prepare(self, *args, **kwargs)
+        state = state_of(self)
+        if state is not None:
+            view = self._interp_view
+            state.plan_sequences(view)
+            if state.packing.sequences is not None:
+                for builder in view.metadata_builders():
+                    _packed_sequences(builder, state)
+        return out
+
+    def _model_forward(self, *args, **kwargs):
+        state = state_of(self)
+        if state is None:
+            return original(self, *args, **kwargs)
+        activate(state)
+        packing, readback = state.packing, state.readback
+        positions = kwargs.get("positions")
+        if state.before_forward(self._interp_view, positions.shape[-1]) or packing.sequences is not None:
+            context = get_forward_context()
+            context.cudagraph_runtime_mode = CUDAGraphMode.NONE
+        try:
+            if packing.sequences is not None and packing.sequences["skip"] is not None:
+                output = skipping.run_layers(self._interp_view, state, kwargs["input_ids"], positions)
+            else:
+                output = original(self, *args, **kwargs)
+            if readback.cells is not None:
+                readback.cell_hidden = output.index_select(0, readback.cells.rows)
+            return output
+        finally:
+            packing.end_step()
+            state.after_forward()
+
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner._model_forward = _model_forward

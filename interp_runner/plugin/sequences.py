@@ -1,0 +1,195 @@
+"""Packed cells: a packed request split into attention sequences, and the cells that skip layers.
+
+A packed request (``interp_runner.packing``) holds a shared prefix and then one block-aligned segment per cell. In a
+step with packed cells each segment runs as its own attention sequence (seeing the prefix's blocks and its own) at
+the positions of the prompt it stands for, and each cell is scored at its last prompt token. Cells whose first
+layer is above 0 enter the model there with the residual stream their run kept in the patch bank: the step then
+runs layer by layer over the sequences in order of first layer (``skipping.run_layers``), and ``row_of`` maps
+batch rows to rows in the model's order. Other requests stay one sequence each; nothing changes in a step without
+packed cells.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from interp_runner.payload import unpack_positions
+from interp_runner.sites import site_id
+
+from .readback import CellScores, Scored
+from .records import CellLayout, RequestPlan, StreamKey
+
+
+class PackedSequences:
+    def __init__(self, bank, staging, fold):
+        # a step with packed cells: its attention sequences (the metadata builders read them), and, where it skips
+        # layers, the model row of each batch row and each builder's metadata per number of leading sequences
+        self.sequences: dict | None = None
+        self.row_of: np.ndarray | None = None
+        self.layer_metadata: dict[int, dict[int, object]] = {}
+        self._bank = bank
+        self._staging = staging
+        self._fold = fold
+
+    def end_step(self) -> None:
+        self.sequences, self.row_of = None, None
+        self.layer_metadata = {}
+
+    # -- a request's cells --------------------------------------------------------------------------
+    def admit(self, plan: RequestPlan, cells: dict) -> None:
+        """A packed request's cell layout (its ``cells`` payload) and, for cells that skip layers, the streams
+        they start from (the plan is voided where one is missing)."""
+        scored: dict[bytes, np.ndarray] = {}  # cells of one fact score the same token ids
+        for ids in cells["score"]:
+            if ids not in scored:
+                scored[ids] = unpack_positions(ids).astype(np.int64)
+        plan.cells = CellLayout(int(cells["prefix"]), int(cells["stride"]), int(cells["length"]),
+                                list(cells["rids"]), [scored[ids] for ids in cells["score"]])
+        if cells.get("start") and plan.void is None:
+            self._admit_starts(plan, cells["start"])
+
+    def _admit_starts(self, plan: RequestPlan, starts: list) -> None:
+        """Each cell's first layer and the bank rows of the stream its segment starts from there."""
+        cells = plan.cells
+        distinct: dict[tuple, int] = {}  # (layer, run) -> its index (cells of a request share a few)
+        which = np.array([distinct.setdefault((int(s[0]), s[1]), len(distinct)) if s else -1 for s in starts],
+                         dtype=np.int64)
+        layers = np.zeros(len(distinct) + 1, dtype=np.int64)  # the last: cells that start at the bottom
+        table = np.zeros((len(distinct) + 1, cells.stride), dtype=np.int64)
+        segment = []  # the streams read
+        for (layer, run), i in distinct.items():
+            key = StreamKey(run, site_id(layer, "pre_attn"))
+            stream, rows = self._bank.stream(key), None
+            if stream is not None:
+                positions, bank = stream
+                a = int(np.searchsorted(positions, cells.prefix))
+                if a + cells.length <= len(positions) and positions[a + cells.length - 1] == \
+                        cells.prefix + cells.length - 1 and positions[a] == cells.prefix:
+                    rows = bank[a : a + cells.length]
+            if rows is None:
+                plan.void = f"the residual stream its cells start from is not on the worker ({run}, layer {layer})"
+                return
+            layers[i] = layer
+            table[i, : cells.length] = rows
+            segment.append(key)
+        first, inject = layers[which], table[which]
+        cells.start, cells.inject = first, inject
+        plan.streams = tuple(segment)
+        self._bank.use_streams(plan.streams)
+        self._fold(b"start", first, inject)
+
+    # -- per step -----------------------------------------------------------------------------------
+    def plan(self, plans: list, batch, view) -> CellScores | None:
+        """Split each packed request of the step (``batch``, from the runner ``view``) into attention sequences, put
+        the segments' tokens at the positions of the prompt they stand for (written into the runner's positions),
+        and return the cells whose last prompt token the step computes."""
+        n = batch.num_reqs
+        starts = batch.query_start[: n + 1].astype(np.int64)
+        computed = batch.computed[:n].astype(np.int64)
+        block = view.block_size
+        staging = self._staging
+        # per request, its sequences: (query starts, query lengths, sequence lengths, token shifts, first shifted
+        # block, first layer, tokens before a segment's padding); a request that is not packed is one sequence
+        parts, part_owner = [], []
+        score_rows, score_rids, score_ids = [], [], []
+        inject_rows, inject_at = [], []  # cells that skip layers: bank rows of their tokens' stream, first row
+        for i, plan in enumerate(plans):
+            first, count = int(computed[i]), int(starts[i + 1] - starts[i])
+            end = first + count
+            cells = plan.cells if plan is not None else None
+            if cells is None or end <= cells.prefix:
+                parts.append(([starts[i]], [count], [end], [0], [0], [0], [count]))
+                part_owner.append(i)
+                continue
+            p, stride = cells.prefix, cells.stride
+            if first < p:
+                parts.append(([starts[i]], [p - first], [p], [0], [0], [0], [p - first]))
+                part_owner.append(i)
+            lo = max(first, p)
+            k = np.arange((lo - p) // stride, (end - 1 - p) // stride + 1)
+            seg_lo = np.maximum(lo, p + k * stride)
+            seg_hi = np.minimum(end, p + (k + 1) * stride)
+            shift = k * stride
+            parts.append((starts[i] + seg_lo - first, seg_hi - seg_lo, seg_hi - shift, shift,
+                          np.full(len(k), p // block), cells.start[k] if cells.start is not None else np.zeros_like(k),
+                          np.clip(p + shift + cells.length - seg_lo, 0, seg_hi - seg_lo)))
+            part_owner.append(i)
+            if cells.start is not None:
+                own = seg_lo - p - shift  # the first of each segment's tokens in this step, as a segment offset
+                lens = seg_hi - seg_lo
+                at = np.repeat(own - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+                inject_rows.append(cells.inject[np.repeat(k, lens), at])
+                inject_at.append(starts[i] + lo - first)
+            last = p + shift + cells.length - 1
+            hit = (last >= seg_lo) & (last < seg_hi)
+            score_rows.append(starts[i] + last[hit] - first)
+            hit_cells = k[hit].tolist()
+            score_rids += [cells.rids[j] for j in hit_cells]
+            score_ids += [cells.score_ids[j] for j in hit_cells]
+        q_start, q_len, seq_len, shift, from_block, first_layer, live = (
+            np.concatenate([np.asarray(part[f], dtype=np.int64) for part in parts]) for f in range(7))
+        owner = np.repeat(np.array(part_owner), [len(part[1]) for part in parts])
+        self._fold(b"sequences", q_start, q_len, seq_len, shift, first_layer)
+        num_tokens = int(starts[n])
+        positions = np.repeat(seq_len - q_len - q_start, q_len) + np.arange(num_tokens)
+        skip = None
+        if not live.any():  # a step of nothing but padding: computed as it is
+            live = q_len
+        if first_layer.any() or (live < q_len).any():
+            # the model runs the sequences in order of their first layer, so a layer's rows are a prefix of them;
+            # segments' padding is never computed (no token of theirs reads it): its rows come last, in no layer
+            inject = np.zeros(num_tokens, dtype=np.int64)
+            for rows, at in zip(inject_rows, inject_at):
+                inject[at : at + len(rows)] = rows
+            order = np.argsort(first_layer, kind="stable")
+            order = order[live[order] > 0]
+            dead = np.flatnonzero(np.arange(num_tokens) - np.repeat(q_start, q_len) >= np.repeat(live, q_len))
+            seq_len = seq_len - (q_len - live)
+            q_len, seq_len, shift, from_block, first_layer, owner = (
+                x[order] for x in (live, seq_len, shift, from_block, first_layer, owner))
+            old_start, q_start = q_start[order], np.zeros(len(order), dtype=np.int64)
+            np.cumsum(q_len[:-1], out=q_start[1:])
+            computed_rows = int(q_len.sum())
+            perm = np.concatenate([np.repeat(old_start - q_start, q_len) + np.arange(computed_rows), dead])
+            self.row_of = np.empty(num_tokens, dtype=np.int64)  # model row of each batch row
+            self.row_of[perm] = np.arange(num_tokens)
+            token_layer = np.repeat(first_layer, q_len)
+            layers = np.arange(int(first_layer[-1]) + 1)
+            num_first = int(np.searchsorted(token_layer, 0, side="right"))
+            skip = {
+                "perm": staging.upload(perm[:computed_rows]),  # model row -> batch row, computed rows
+                "rows": np.searchsorted(token_layer, layers, side="right").tolist(),  # a layer's rows
+                "seqs": np.searchsorted(first_layer, layers, side="right").tolist(),  # its sequences
+                "inject": staging.upload(inject[perm[num_first:computed_rows]]),
+            }
+            positions = positions[perm]
+            self._fold(b"skip", perm, inject)
+        num_seqs = len(q_len)
+        width = int((-(-seq_len // block)).max())
+        cols = np.arange(width)[None, :]
+        cols = cols + np.where(cols >= from_block[:, None], (shift // block)[:, None], 0)
+        table = view.block_table(n)
+        cols = np.minimum(cols, table.shape[1] - 1)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(q_len, out=query_start[1:])
+        prompt_len = view.prompt_lens(n).astype(np.int64)
+        # what the attention metadata builders read instead of the runner's (``runner_patches``)
+        self.sequences = {
+            "num_tokens": num_tokens,
+            "query_start_loc": staging.upload(query_start),
+            "query_start_loc_cpu": torch.from_numpy(query_start),
+            "seq_lens": staging.upload(seq_len.astype(np.int32)),
+            "seq_lens_cpu": torch.from_numpy(seq_len.astype(np.int32)),
+            "computed_cpu": torch.from_numpy((seq_len - q_len).astype(np.int32)),
+            "num_reqs": num_seqs,
+            "max_query_len": int(q_len.max()),
+            "max_seq_len": int(seq_len.max()),
+            "block_table": table[staging.upload(owner)[:, None], staging.upload(cols)],
+            "is_prefilling": torch.from_numpy(seq_len - q_len < prompt_len[owner]),
+            "skip": skip,  # None, or a step that skips layers (``skipping.run_layers``)
+        }
+        view.write_positions(num_tokens, staging.upload(positions))
+        if score_rows:
+            return CellScores(staging.upload(np.concatenate(score_rows)), Scored(score_rids, score_ids))
+        return None

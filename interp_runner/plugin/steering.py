@@ -1,0 +1,153 @@
+"""The steering table: registered vectors, the summed vectors of each steering set in table slots, and the slot of
+every batch row.
+
+- ``row_slot[t]``: the steering slot of batch row ``t`` (slot 0 holds zeros: rows without steering keep their
+  value bit for bit);
+- ``table[site, slot]``: the summed steering vector of a slot at a steered site. A request gets two slots, one
+  for its prompt tokens (base + prefill tiers) and one for generated tokens (base + decode tiers); requests with
+  the same steering share them. A steering set's slots stay valid after its last request until they are needed, so
+  the next wave of requests with the same steering builds none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import interp_runner_kernels as kernels
+from interp_runner.payload import DECODE, PREFILL
+
+
+@dataclass(slots=True)
+class SlotPair:
+    """The table slots of one steering set, and how many admitted requests use them."""
+
+    prefill: int
+    decode: int
+    requests: int = 0
+
+
+class SteeringTable:
+    def __init__(self, sites: tuple[int, ...], hidden_size: int, dtype, device, max_rows: int, num_slots: int,
+                 staging, fold):
+        self.sites = sites
+        self.index = {site: i for i, site in enumerate(sites)}
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.table = torch.zeros((max(len(sites), 1), num_slots, hidden_size), dtype=dtype, device=device)
+        self.vectors: dict[str, np.ndarray] = {}
+        self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
+        self._free_slots = list(range(num_slots - 1, 0, -1))
+        self._in_use: dict[tuple, SlotPair] = {}  # steering key -> its slots
+        # keys no request uses any more, oldest first: their table rows stay valid until the slots are needed
+        self._idle: dict[tuple, SlotPair] = {}
+        self._staging = staging
+        self._fold = fold
+
+    # -- the op -------------------------------------------------------------------------------------
+    def steer(self, x: torch.Tensor, site: int) -> torch.Tensor | None:
+        """x plus the rows' steering at this site (a fresh tensor), or None where the site does not steer."""
+        index = self.index.get(site)
+        return None if index is None else kernels.steer_add(x, self.table[index], self.row_slot)
+
+    @property
+    def active(self) -> bool:
+        """Whether the rows of the step hold any slot (else the buffer is all zeros)."""
+        return self._row_slots is not False
+
+    # -- vectors and slots --------------------------------------------------------------------------
+    def register_vectors(self, vectors: dict[str, bytes]) -> int:
+        for key, data in vectors.items():
+            vec = np.frombuffer(data, dtype=np.float32)
+            if vec.shape != (self.hidden_size,):
+                raise ValueError(f"vector {key}: length {vec.size}, model hidden size {self.hidden_size}")
+            if key not in self.vectors:
+                self._fold(b"vector", np.frombuffer(key.encode(), dtype=np.uint8), vec)
+            self.vectors[key] = vec
+        return len(self.vectors)
+
+    def acquire(self, steer: list) -> tuple[tuple, SlotPair]:
+        """The slots of a request's steering entries ``[site, phases, vector key, scale]`` (filled if new), and
+        their key."""
+        key = tuple(sorted((int(s), int(p), str(k), float(c)) for s, p, k, c in steer))
+        pair = self._in_use.get(key)
+        if pair is None and key in self._idle:  # steered again (a sweep's next wave): reuse
+            pair = self._in_use[key] = self._idle.pop(key)
+        if pair is None:
+            while len(self._free_slots) < 2 and self._idle:
+                oldest = self._idle.pop(next(iter(self._idle)))
+                self._free_slots.extend((oldest.prefill, oldest.decode))
+            if len(self._free_slots) < 2:
+                raise RuntimeError("interp steering table is full")
+            missing = [vkey for _, _, vkey, _ in key if vkey not in self.vectors]
+            if missing:
+                raise KeyError(f"steering vector {missing[0]} was not registered on the worker")
+            pair = SlotPair(self._free_slots.pop(), self._free_slots.pop())
+            index = np.array([self.index[site] for site, _, _, _ in key], dtype=np.int64)
+            phases = np.array([p for _, p, _, _ in key], dtype=np.int64)
+            terms = np.stack([self.vectors[vkey] for _, _, vkey, _ in key]) \
+                * np.array([c for _, _, _, c in key], dtype=np.float32)[:, None]
+            sums = np.zeros((2, len(self.sites), self.hidden_size), dtype=np.float32)
+            for phase_index, phase in enumerate((PREFILL, DECODE)):
+                chosen = (phases & phase) != 0
+                rows = index[chosen]
+                if len(np.unique(rows)) == len(rows):
+                    sums[phase_index, rows] = terms[chosen]
+                else:  # several terms at one site: summed in key order
+                    np.add.at(sums[phase_index], rows, terms[chosen])
+            # the values follow from the key and the registered (folded) vectors
+            self._fold(b"slots", np.array([pair.prefill, pair.decode]),
+                       np.frombuffer(repr(key).encode(), dtype=np.uint8))
+            values = self._staging.upload(sums).to(self.dtype)  # through the ring: no wait for the GPU
+            self.table[:, pair.prefill].copy_(values[0])
+            self.table[:, pair.decode].copy_(values[1])
+            self._in_use[key] = pair
+        pair.requests += 1
+        return key, pair
+
+    def release(self, key: tuple) -> None:
+        """A request using the slots of ``key`` finished; unused slots stay valid until they are needed."""
+        pair = self._in_use[key]
+        pair.requests -= 1
+        if pair.requests == 0:
+            self._idle[key] = self._in_use.pop(key)
+
+    # -- per step -----------------------------------------------------------------------------------
+    def plan(self, plans, starts: np.ndarray, computed: np.ndarray, num_rows: int, num_tokens: int,
+             row_of: np.ndarray | None) -> None:
+        """Write each row's slot: its request's prefill slot for prompt positions, decode slot after."""
+        if any(p is not None and p.steer_key is not None for p in plans):
+            n = len(starts) - 1
+            counts = np.diff(starts)
+            owner = np.repeat(np.arange(n), counts)
+            positions = computed[owner] + np.arange(num_tokens) - starts[owner]
+            prompt_len = np.array([p.prompt_len if p else 0 for p in plans], dtype=np.int64)
+            prefill = np.array([p.prefill_slot if p else 0 for p in plans], dtype=np.int64)
+            decode = np.array([p.decode_slot if p else 0 for p in plans], dtype=np.int64)
+            slots = np.zeros(num_rows, dtype=np.int64)
+            slots[:num_tokens] = np.where(
+                positions < prompt_len[owner], prefill[owner], decode[owner]
+            )
+            if row_of is not None:
+                slots[row_of] = slots[:num_tokens].copy()
+            if isinstance(self._row_slots, np.ndarray) and np.array_equal(self._row_slots, slots):
+                pass  # the buffer already holds these slots (steady decode of the same batch)
+            else:
+                self._staging.upload(slots, into=self.row_slot[:num_rows])
+            self._row_slots = slots
+            self._fold(b"steer", slots[:num_tokens])
+        else:
+            self.clear()
+
+    def clear(self) -> None:
+        """No row steered this step."""
+        if self._row_slots is not False:
+            self.row_slot.zero_()
+            self._row_slots = False
+
+    def held_slots(self, n: int) -> bytes | None:
+        """The slots of the first ``n`` rows as the buffer holds them (None: all zero)."""
+        return self._row_slots[:n].tobytes() if isinstance(self._row_slots, np.ndarray) else None

@@ -1,0 +1,62 @@
+"""The worker extension: methods vLLM mixes into its workers, which the runner calls through ``collective_rpc``.
+
+vLLM loads it by ``interp_runner.engine.WORKER_EXTENSION``.
+"""
+
+from __future__ import annotations
+
+from interp_runner.payload import pack_results
+
+from .runner_patches import plans_steps, state_of, view_of
+
+
+class InterpWorkerExtension:
+    """Methods vLLM mixes into its workers; the runner calls them through ``collective_rpc``."""
+
+    def _interp(self):
+        state = state_of(self.model_runner)
+        if state is None:
+            raise RuntimeError("this engine was built without interp ops")
+        return state
+
+    def interp_status(self) -> dict:
+        state = state_of(self.model_runner)
+        if state is None:
+            return {"loaded": False}
+        return {
+            "loaded": True,
+            # the planner lives in the patched runner's _model_forward: any other runner would never plan a step
+            "runner_planned": plans_steps(self.model_runner),
+            "plugin": state.fingerprint,
+            "instrumented_layers": sorted(state.instrumented_layers),
+            "steer_sites": list(state.steer_sites),
+            "capture_sites": list(state.capture_sites),
+            "patch_sites": list(state.patch_sites),
+            "bank_rows": state.patch_bank.values.shape[0] - 1,
+            "result_rank": state.is_result_rank,
+        }
+
+    def interp_register_vectors(self, vectors: dict[str, bytes]) -> int:
+        return self._interp().register_vectors(vectors)
+
+    def interp_register_sources(self, sources: dict[str, bytes]) -> int:
+        state = self._interp()
+        state.forget_finished(view_of(self.model_runner).live_requests())
+        return state.register_sources(sources)
+
+    def interp_release_sources(self, keys: list[str]) -> int:
+        state = self._interp()
+        state.forget_finished(view_of(self.model_runner).live_requests())
+        return state.release_sources(keys)
+
+    def interp_checksum(self) -> dict:
+        return self._interp().checksum()
+
+    def interp_collect(self, rids: list[str], packed: bool = True) -> dict:
+        """Results of finished requests; ``packed`` for callers in another process (arrays do not survive
+        ``collective_rpc`` from worker processes as arrays)."""
+        state = self._interp()
+        if not state.is_result_rank:
+            return {}
+        results = state.collect(rids)
+        return pack_results(results) if packed else results
