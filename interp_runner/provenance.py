@@ -1,13 +1,15 @@
 """The run manifest stored in the store's root attributes.
 
 Keys: ``config_yaml`` and ``config_sha256`` (the resolved config), ``run_key`` (its hash without the run-control
-keys ``resume`` and ``dry_run``: what a resumed run must match), ``command`` and ``overrides``,
+keys ``resume``, ``dry_run`` and ``store.overwrite``: what a resumed run must match), ``command`` and ``overrides``,
 ``experiment`` (name, version), ``experiments_dir`` (the package's ``experiments/`` folder, which
 ``${experiments_dir:}`` in a config resolves to: a rerun elsewhere maps it to its own), ``package`` (version,
 git sha and dirty flag of the package's own checkout),
 ``versions`` (python, vllm, torch, triton, transformers, zarr, xarray, numpy), ``model`` (path, architecture,
-weights sha256, dtype, layers, hidden size), ``seeds``, ``requests_sha256``, ``plugin`` (fingerprint and
-sites), ``host`` (hostname, platform, CPU, GPU), ``started_at`` / ``finished_at`` (UTC, ISO 8601).
+weights sha256, the configured dtype, layers, hidden size), ``seeds``, ``requests_sha256``, ``plugin`` (fingerprint
+and sites), ``host`` (hostname, platform, GPUs, and ``cpu``: what picks the CPU kernels, ``kernel_path.cpu_info``),
+``started_at`` / ``finished_at`` (UTC, ISO 8601). The dtype the engine really computed in is ``engine.dtype``, written
+when the run completes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import yaml
 
 from .compiler import Plan
 from .config.schema import RunConfig
+from .kernel_path import cpu_info
 from .models.facts import ModelFacts
 from .payload import plugin_fingerprint
 
@@ -76,7 +79,7 @@ def versions() -> dict:
 def host() -> dict:
     import torch
 
-    info = {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": platform.processor()}
+    info = {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_info()}
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["cuda"] = torch.version.cuda
@@ -89,7 +92,10 @@ def manifest(
     config: dict, cfg: RunConfig, facts: ModelFacts, plan: Plan, overrides: list[str], started_at: str
 ) -> dict:
     text = config_yaml(config)
+    # the run-control keys say how to run, not what: a resumed or overwriting run is the same run
     run_config = {k: v for k, v in config.items() if k not in ("resume", "dry_run")}
+    if isinstance(run_config.get("store"), dict):
+        run_config["store"] = {k: v for k, v in run_config["store"].items() if k != "overwrite"}
     return {
         "run_key": hashlib.sha256(config_yaml(run_config).encode()).hexdigest(),
         "schema": "interp-runner/1",

@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
 # Regenerates the golden stores experiments/golden/<experiment>.zarr on tiny_random (`make golden`).
-# `make verify` reruns each from its own provenance and compares: bit for bit on CPU.
+# `make verify` reruns each from its own provenance and compares: bit for bit where the machine's kernel path
+# (CPU model and ISA, threads, dtype, torch, vLLM) is the one recorded here, within measured tolerances elsewhere,
+# with generated tokens teacher-forced to the golden ones.
+# Engines run in float32 whatever the experiment says ("auto" is bfloat16 on some CPUs only), eager, on the
+# tiny_random weights pinned in interp_runner/models/tiny_random.py (built or checked first).
 # After changing what an experiment computes, regenerate them and commit the new stores with the change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export VLLM_NO_USAGE_STATS=1
 RUN=".venv/bin/interp-run"
 GOLDEN=experiments/golden
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 
+.venv/bin/python -m interp_runner.models.materialize tiny_random
+
 golden() {  # NAME OVERRIDES...: one store, Hydra's run folder thrown away
   local name="$1"; shift
   rm -rf "$GOLDEN/$name.zarr"
-  "$RUN" "+experiment=$name" "$@" "store.path=$GOLDEN/$name.zarr" "hydra.run.dir=$scratch/$name"
+  "$RUN" "+experiment=$name" model=tiny_random engine=eager engine.dtype=float32 "$@" \
+    "store.path=$GOLDEN/$name.zarr" "hydra.run.dir=$scratch/$name"
   du -sh "$GOLDEN/$name.zarr"
 }
 
-golden steering_smoke model=tiny_random engine=eager
-golden causal_trace model=tiny_random engine=eager causal_trace.num_facts=2 causal_trace.noise.samples=1 \
-  causal_trace.window=2 "causal_trace.layers=[0,3]" causal_trace.filter=false causal_trace.plots=false
+golden steering_smoke
+golden causal_trace causal_trace.num_facts=2 causal_trace.noise.samples=1 causal_trace.window=2 \
+  "causal_trace.layers=[0,3]" causal_trace.filter=false causal_trace.plots=false

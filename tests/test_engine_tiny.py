@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import hf_oracle
 from conftest import ALL_HOOKS, base_config, engine_at_every_site, rel_err, run_config
@@ -178,3 +179,58 @@ def test_ranks_that_applied_different_interventions_fail_the_run(tiny_engine):
     diverged.llm = TwoRanks()
     with pytest.raises(EngineError, match="ranks applied different interventions"):
         diverged.check_ranks()
+
+
+def test_teacher_forcing_generates_the_given_tokens_with_the_model_log_probabilities(tiny_path, tmp_path):
+    """``sampling.teacher_forcing``: each request generates its namesake's tokens from a store (none of them the
+    greedy choice here), with decode-tier steering on them and captures at them, all as HF computes them on the
+    prompt followed by those tokens."""
+    import xarray as xr
+    import zarr
+
+    from interp_runner.config.schema import EngineConfig
+    from interp_runner.engine import VllmEngine
+    from interp_runner.pipeline import execute, prepare
+
+    prompts = PROMPTS[:2]
+    forced = [[100, 2000, 300, 4000], [7, 8, 9, 10]]
+    source = tmp_path / "source.zarr"
+    plain = prepare(config(prompts)).plan
+    ids = [list(r.prompt.token_ids) for r in plain.requests]
+    width = max(len(i) for i in ids)
+    xr.Dataset(
+        {"prompt_tokens": (("request", "p"), np.array([i + [-1] * (width - len(i)) for i in ids], np.int32)),
+         "prompt_len": ("request", np.array([len(i) for i in ids], np.int32)),
+         "tokens": (("request", "generated"), np.array(forced, np.int32)),
+         "num_generated": ("request", np.array([4, 4], np.int32))},
+        coords={"request": np.array([r.rid for r in plain.requests], dtype=np.dtypes.StringDType())},
+    ).to_zarr(str(source), mode="w", zarr_format=3, consolidated=False)
+    zarr.open_group(str(source), mode="r+").attrs["status"] = "complete"
+
+    vec = np.asarray(vector(7, 3.0), dtype=np.float32)
+    steering = {"request": [{"prompts": [1], "decode": {"post_block": {"layer": 1, "vector": vec.tolist()}}}]}
+    capture = [{"hooks": ["mlp_out"], "layers": [2], "positions": "all_generated"}]
+    run = config(prompts, steering=steering, capture=capture)
+    run["sampling"] = {"max_tokens": 4, "logprobs": 3, "teacher_forcing": str(source)}
+    plan = prepare(run).plan
+    assert plan.engine_spec.force_tokens
+    engine = VllmEngine(str(tiny_path), EngineConfig(dtype="float32", enforce_eager=True, max_model_len=1024,
+                                                     max_num_seqs=16), plan.engine_spec)
+    try:
+        results = execute(engine, plan, log=lambda _: None, use_tqdm=False)
+    finally:
+        engine.close()
+    for request, tokens in zip(plan.requests, forced):
+        result, prompt = results[request.rid], list(request.prompt.token_ids)
+        assert result.token_ids == tokens
+        n = len(prompt)
+        steer = {(1, "post_block"): vec} if request.prompt.index == 1 else None
+        logits, acts = hf_oracle.forward(tiny_path, prompt + tokens[:-1], steer, np.arange(n, n + 3))
+        logprobs = torch.log_softmax(logits[n - 1:], -1)
+        assert all(int(row.argmax()) != t for row, t in zip(logprobs, tokens))  # forced, not chosen
+        np.testing.assert_allclose(result.logprobs, [float(logprobs[i, t]) for i, t in enumerate(tokens)], atol=1e-4)
+        for i, top in enumerate(result.top_logprobs):
+            assert [t for t, _ in top[:3]] == logprobs[i].topk(3).indices.tolist()
+        positions, got = result.captures[site_id(2, "mlp_out")]
+        assert positions.tolist() == list(range(n, n + 3))
+        assert rel_err(got, acts[(2, "mlp_out")][n:]) <= 1e-4

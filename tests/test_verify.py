@@ -1,11 +1,14 @@
 """``interp-verify``: a store against itself and its rerun, perturbed and refused stores, provenance as information,
-and the tolerance rules on small hand-made stores.
+reruns on another CPU kernel path (teacher-forced, within tolerance, yet failing on a real change), and the
+tolerance rules on small hand-made stores.
 
-Two engine starts in all: the store (``interp-run`` on tiny_random) and its rerun (``interp-verify --rerun``).
+Four engine starts in all: the store (``interp-run`` on tiny_random), its rerun (``interp-verify --rerun``), and two
+reruns with oneDNN's GEMMs capped to SSE4.1 (``ONEDNN_MAX_CPU_ISA``): other kernels, other float32 sums.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -19,13 +22,19 @@ import zarr
 
 from conftest import REPO
 from interp_runner import verify
+from interp_runner.kernel_path import CPU_KERNEL_KEYS
 from interp_runner.verify import EXIT_ERROR, EXIT_MATCH, EXIT_MISMATCH, main
 
 PERTURBED = (1, 1, 2, 0, 17)  # request, last_hook, last_layer, last_slot, hidden
+OTHER_KERNELS = {"ONEDNN_MAX_CPU_ISA": "SSE41"}  # this CPU computing as one without AVX2 would (GEMMs)
 
 
 def set_attrs(path: Path, **attrs) -> None:
     zarr.open_group(str(path), mode="r+").attrs.update(attrs)
+
+
+def attrs_of(path: Path) -> dict:
+    return dict(zarr.open_group(str(path), mode="r").attrs)
 
 
 def run_verify(capsys, *args) -> tuple[int, str, str]:
@@ -50,14 +59,23 @@ def store(tmp_path_factory) -> Path:
     return path
 
 
+def verify_rerun(store: Path, out: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "interp_runner.verify", str(store), "--rerun", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **env},
+    )
+
+
 @pytest.fixture(scope="module")
 def rerun(store, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("rerun")
-    proc = subprocess.run(
-        [sys.executable, "-m", "interp_runner.verify", str(store), "--rerun", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    return proc, out / "results.zarr"
+    return verify_rerun(store, out), out / "results.zarr"
+
+
+@pytest.fixture(scope="module")
+def other_kernels_rerun(store, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("other-kernels")
+    return verify_rerun(store, out, **OTHER_KERNELS), out / "results.zarr"
 
 
 def copy(store: Path, tmp_path: Path, name: str = "copy.zarr") -> Path:
@@ -70,15 +88,19 @@ def copy(store: Path, tmp_path: Path, name: str = "copy.zarr") -> Path:
 def test_store_matches_itself(store, capsys):
     code, out, _ = run_verify(capsys, store, "--against", store)
     assert code == EXIT_MATCH, out
-    assert "comparison: exact (both runs on CPU)" in out and "OK: all 23 arrays match" in out
+    assert "comparison: exact (same kernel path: CPU " in out and "OK: all 23 arrays match" in out
     assert "provenance differences" not in out
+    attrs = attrs_of(store)
+    assert set(CPU_KERNEL_KEYS) <= set(attrs["host"]["cpu"]) and attrs["host"]["cpu"]["threads"] >= 1
+    assert attrs["engine"]["dtype"] == "float32"  # the experiment's, on every CPU
 
 
 @pytest.mark.engine
 def test_rerun_reproduces_bit_for_bit(rerun, store, capsys):
     proc, new = rerun
     assert proc.returncode == EXIT_MATCH, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "OK: all 23 arrays match" in proc.stdout
+    assert "OK: all 23 arrays match" in proc.stdout and "comparison: exact (same kernel path" in proc.stdout
+    assert "teacher-forced" not in proc.stdout
     attrs = dict(zarr.open_group(str(new), mode="r").attrs)
     assert attrs["status"] == "complete" and "--rerun" in attrs["command"]
     # only where the store went differs in the config
@@ -152,11 +174,73 @@ def test_provenance_differences_are_shown_but_do_not_fail(store, tmp_path, capsy
     )
     code, out, _ = run_verify(capsys, moved, "--against", store)
     assert code == EXIT_MATCH, out
+    assert "tolerant (CPU runs on other kernel paths: torch: '2.11.0' -> '9.9.9')" in out
     for line in ("versions.torch: '2.11.0' -> '9.9.9'", "host.hostname:", "'elsewhere'",
                  f"package.git_sha: {attrs['package']['git_sha']!r} -> '{'f' * 40}'",
                  "plugin.fingerprint:", "requests_sha256:"):
         assert line in out
     assert "OK: all 23 arrays match" in out
+
+
+@pytest.mark.engine
+def test_rerun_on_other_kernels_is_teacher_forced_and_within_tolerance(other_kernels_rerun, store):
+    proc, new = other_kernels_rerun
+    out = proc.stdout
+    assert proc.returncode == EXIT_MATCH, out[-3000:] + proc.stderr[-3000:]
+    assert ("generated tokens teacher-forced to the store's (this machine's kernel path is not the store's: "
+            "cpu.env: {} -> {'ONEDNN_MAX_CPU_ISA': 'SSE41'})") in out
+    assert ("comparison: tolerant (CPU runs on other kernel paths: cpu.env: {} -> {'ONEDNN_MAX_CPU_ISA': 'SSE41'})"
+            in out)
+    # the numbers really moved (other float32 sums), within the tolerance
+    tolerated = out.split("within tolerance:")[1].split("OK:")[0].splitlines()
+    last = next(line for line in tolerated if line.split()[:1] == ["last"])
+    assert "(rtol 0.0001 (CPU float32) x scale)" in last
+    assert "OK: all 23 arrays match (within tolerance)" in out
+    assert yaml.safe_load(attrs_of(new)["config_yaml"])["sampling"]["teacher_forcing"] == str(store.resolve())
+    assert attrs_of(new)["host"]["cpu"]["env"] == OTHER_KERNELS
+    tokens = [xr.open_zarr(str(path), consolidated=False)["tokens"] for path in (new, store)]
+    np.testing.assert_array_equal(*tokens)
+
+
+@pytest.mark.engine
+def test_rerun_on_other_kernels_still_fails_on_a_real_change(store, tmp_path):
+    """Decode steering of prompt 2 scaled by 1.1 instead of 1: its forced tokens' log-probabilities move beyond the
+    tolerance, while its first token (before any decode steering) does not."""
+    changed = copy(store, tmp_path)
+    config = yaml.safe_load(attrs_of(changed)["config_yaml"])
+    config["steering"]["request"][1]["decode"]["pre_attn"]["scale"] = -1.1
+    set_attrs(changed, config_yaml=yaml.safe_dump(config, sort_keys=True))
+    proc = verify_rerun(changed, tmp_path / "out", **OTHER_KERNELS)
+    assert proc.returncode == EXIT_MISMATCH, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "teacher-forced" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("logprob "))
+    assert "request=2 ('r00002')" in row and "beyond tolerance" in row
+
+
+@pytest.mark.engine
+def test_teacher_forced_comparison_catches_a_changed_value(other_kernels_rerun, store, tmp_path, capsys):
+    _, new = other_kernels_rerun
+    changed = copy(new, tmp_path)  # still forced to ``store``'s tokens
+    logprob = zarr.open_group(str(changed), mode="r+")["logprob"]
+    logprob[0, 3] = logprob[0, 3] - 0.01
+    code, out, _ = run_verify(capsys, changed, "--against", store)
+    assert code == EXIT_MISMATCH and "teacher-forced" in out
+    rows = [line for line in out.split("MISMATCH")[1].splitlines() if line.strip()]
+    assert any(line.split()[0] == "logprob" and "request=0 ('r00000'), generated=3" in line for line in rows)
+    # the forced token is now below its step's top beyond the tolerance: a free rerun would have forked
+    assert any(line.split()[0] == "tokens" and "no longer the greedy choice" in line for line in rows), out
+
+
+@pytest.mark.engine
+def test_corrupted_chunk_exits_2_naming_the_array(store, tmp_path, capsys, monkeypatch):
+    broken = copy(store, tmp_path)
+    (broken / "last" / "c" / "1" / "0" / "0" / "0" / "0").write_bytes(b"not an lz4 block" * 8)
+    code, out, err = run_verify(capsys, broken, "--against", store)
+    assert code == EXIT_ERROR and f"{broken}: array 'last' cannot be read" in err, err
+    assert "Traceback" not in err + out
+    monkeypatch.setattr("interp_runner.pipeline.run", lambda *a, **k: pytest.fail("the rerun must not start"))
+    code, out, err = run_verify(capsys, broken, "--rerun", "--out", tmp_path / "out")
+    assert code == EXIT_ERROR and "array 'last' cannot be read" in err and "Traceback" not in err + out
 
 
 def test_rerun_reads_experiment_data_from_this_checkout(tmp_path):
@@ -174,6 +258,28 @@ def test_rerun_reads_experiment_data_from_this_checkout(tmp_path):
     assert logged == [f"paths under /elsewhere/experiments read from {EXPERIMENTS_DIR}"]
 
 
+def test_teacher_forcing_takes_the_tokens_of_a_store_of_the_same_requests():
+    from interp_runner.config import ConfigError
+    from interp_runner.payload import unpack_positions
+    from interp_runner.pipeline import prepare
+
+    golden = REPO / "experiments" / "golden" / "steering_smoke.zarr"
+    config = yaml.safe_load(attrs_of(golden)["config_yaml"])
+    config["sampling"]["teacher_forcing"] = str(golden)
+    plan = prepare(config).plan
+    assert plan.engine_spec.force_tokens
+    tokens = xr.open_zarr(str(golden), consolidated=False)["tokens"].values
+    for i, request in enumerate(plan.requests):
+        assert unpack_positions(request.payload["force"]).tolist() == [t for t in tokens[i] if t >= 0]
+    config["prompts"]["items"][2]["text"] = "Once upon a midnight dreary"
+    with pytest.raises(ConfigError, match="request r00002 of .* had another prompt"):
+        prepare(config)
+    trace = yaml.safe_load(attrs_of(REPO / "experiments" / "golden" / "causal_trace.zarr")["config_yaml"])
+    trace["sampling"]["teacher_forcing"] = str(golden)
+    with pytest.raises(ConfigError, match="a causal trace generates no text to force"):
+        prepare(trace)
+
+
 def test_usage_errors_exit_2(tmp_path, capsys):
     assert main([]) == EXIT_ERROR
     assert main([str(tmp_path / "x.zarr")]) == EXIT_ERROR  # neither --against nor --rerun
@@ -184,13 +290,21 @@ def test_usage_errors_exit_2(tmp_path, capsys):
 # ------------------------------------------------------------------ tolerance rules on hand-made stores
 
 
-def make_store(path: Path, values: dict, gpus=(), batch_invariant=False, noise_floor=None, dtype="bfloat16") -> Path:
-    ds = xr.Dataset({name: (("request", "x")[: np.ndim(v)], np.asarray(v)) for name, v in values.items()})
+CPU = {"model": "Some CPU", "vendor": "GenuineIntel", "arch": "x86_64", "isa": ["avx2", "fma"], "aten": "AVX2",
+       "vllm_kernels": "avx2", "threads": 8, "env": {}}
+AVX512_BF16 = {**CPU, "isa": ["avx2", "avx512_bf16", "avx512f", "fma"], "aten": "AVX512", "vllm_kernels": "avx512_bf16"}
+DIMS = ("request", "x", "top_k")
+
+
+def make_store(path: Path, values: dict, gpus=(), batch_invariant=False, noise_floor=None, dtype="bfloat16",
+               cpu=CPU, config=None) -> Path:
+    ds = xr.Dataset({name: (DIMS[: np.ndim(v)], np.asarray(v)) for name, v in values.items()})
     ds.to_zarr(str(path), mode="w", zarr_format=3, consolidated=False)
     attrs = {
         "status": "complete",
-        "config_yaml": yaml.safe_dump({"engine": {"batch_invariant": batch_invariant}}),
-        "host": {"hostname": "h", "gpus": list(gpus)},
+        "config_yaml": yaml.safe_dump({"engine": {"batch_invariant": batch_invariant}, **(config or {})}),
+        "host": {"hostname": "h", "gpus": list(gpus), "cpu": cpu},
+        "versions": {"torch": "2.11.0", "vllm": "0.26.0"},
         "engine": {"dtype": dtype},
     }
     if noise_floor is not None:
@@ -208,9 +322,9 @@ BASE = {
 GPU = ("NVIDIA H100 80GB HBM3",)
 
 
-def pair(tmp_path, changes: dict, **kwargs) -> tuple[Path, Path]:
-    ref = make_store(tmp_path / "ref.zarr", BASE, **kwargs)
-    new = make_store(tmp_path / "new.zarr", {**BASE, **changes}, **kwargs)
+def pair(tmp_path, changes: dict, new_kwargs: dict | None = None, base: dict = BASE, **kwargs) -> tuple[Path, Path]:
+    ref = make_store(tmp_path / "ref.zarr", base, **kwargs)
+    new = make_store(tmp_path / "new.zarr", {**base, **changes}, **{**kwargs, **(new_kwargs or {})})
     return new, ref
 
 
@@ -250,17 +364,108 @@ def test_batch_invariant_gpu_runs_compare_exactly(tmp_path, capsys):
     changes = {"answer_prob": np.array([0.5 + 1e-7, 0.25], np.float32)}
     new, ref = pair(tmp_path, changes, gpus=GPU, batch_invariant=True, noise_floor=1e-3)
     code, out, _ = run_verify(capsys, new, "--against", ref)
-    assert code == EXIT_MISMATCH and "exact (batch-invariant runs on NVIDIA H100 80GB HBM3)" in out
+    assert code == EXIT_MISMATCH and "exact (batch-invariant runs, same kernel path: NVIDIA H100 80GB HBM3" in out
     new, ref = pair(tmp_path, changes, gpus=GPU, noise_floor=1e-3)
     assert run_verify(capsys, new, "--against", ref)[0] == EXIT_MATCH
     assert run_verify(capsys, new, "--against", ref, "--exact")[0] == EXIT_MISMATCH
 
 
-def test_cpu_runs_compare_exactly(tmp_path, capsys):
+def test_cpu_runs_on_one_kernel_path_compare_exactly(tmp_path, capsys):
     new, ref = pair(tmp_path, {"logprob": np.array([[-1.0, np.nextafter(np.float32(-2), 0)], [-3.0, np.nan]],
-                                                   np.float32)})
+                                                   np.float32)}, dtype="float32")
     code, out, _ = run_verify(capsys, new, "--against", ref)
-    assert code == EXIT_MISMATCH and "comparison: exact (both runs on CPU)" in out and "request=0, x=1" in out
+    assert code == EXIT_MISMATCH and "request=0, x=1" in out
+    assert ("comparison: exact (same kernel path: CPU Some CPU (x86_64; avx2/fma; ATen AVX2; vLLM avx2 kernels; "
+            "8 threads), float32, torch 2.11.0, vLLM 0.26.0)") in out
+
+
+@pytest.mark.parametrize("what, new_kwargs, reason", [
+    ("ISA", {"cpu": AVX512_BF16}, "cpu.aten: 'AVX2' -> 'AVX512'; cpu.isa: ['avx2', 'fma'] -> ['avx2', 'avx512_bf16', "
+                                  "'avx512f', 'fma']; cpu.vllm_kernels: 'avx2' -> 'avx512_bf16'"),
+    ("threads", {"cpu": {**CPU, "threads": 16}}, "cpu.threads: 8 -> 16"),
+    ("old store", {"cpu": "x86_64"}, "the compared run records no CPU kernel path"),
+])
+def test_cpu_runs_on_other_kernel_paths_compare_within_measured_tolerance(tmp_path, capsys, what, new_kwargs,
+                                                                          reason):
+    # float32 on a CPU: rtol 1e-4 of the largest |logprob| (3.0)
+    new, ref = pair(tmp_path, {"logprob": np.array([[-1.0 + 2.9e-4, -2.0], [-3.0, np.nan]], np.float32)},
+                    new_kwargs, dtype="float32")
+    code, out, _ = run_verify(capsys, new, "--against", ref)
+    assert code == EXIT_MATCH, out
+    assert f"comparison: tolerant (CPU runs on other kernel paths: {reason}" in out
+    assert "0.0003 (rtol 0.0001 (CPU float32) x scale)" in out
+    new, ref = pair(tmp_path, {"logprob": np.array([[-1.0 + 3.1e-4, -2.0], [-3.0, np.nan]], np.float32)},
+                    new_kwargs, dtype="float32")
+    assert run_verify(capsys, new, "--against", ref)[0] == EXIT_MISMATCH
+
+
+def test_differences_of_probabilities_err_as_the_probabilities_do(tmp_path, capsys):
+    """An effect of 1e-3 between probabilities of 0.5 carries their rounding: its tolerance scales with the store's
+    largest probability (0.5 here), not with the effect."""
+    base = {"answer_prob": np.array([0.5, 0.499], np.float32), "indirect_effect": np.array([1e-3, -5e-4], np.float32)}
+    new, ref = pair(tmp_path, {"indirect_effect": np.array([1e-3 + 4e-5, -5e-4], np.float32)}, {"cpu": AVX512_BF16},
+                    base=base, dtype="float32")
+    code, out, _ = run_verify(capsys, new, "--against", ref)
+    assert code == EXIT_MATCH and "5e-05 (rtol 0.0001 (CPU float32) x probability scale)" in out, out
+    new, ref = pair(tmp_path, {"indirect_effect": np.array([1e-3 + 6e-5, -5e-4], np.float32)}, {"cpu": AVX512_BF16},
+                    base=base, dtype="float32")
+    assert run_verify(capsys, new, "--against", ref)[0] == EXIT_MISMATCH
+
+
+def test_reduced_precision_storage_allows_one_step(tmp_path, capsys):
+    """A float16 capture may round to the neighbouring float16 where the float32 value moved by a hair."""
+    acts = np.array([[0.5, 0.2327880859375], [1.0, -0.25]], np.float16)
+    moved = acts.copy()
+    moved[0, 1] = np.nextafter(moved[0, 1], np.float16(1))
+    new, ref = pair(tmp_path, {"acts": moved}, {"cpu": AVX512_BF16}, base={"acts": acts}, dtype="float32")
+    code, out, _ = run_verify(capsys, new, "--against", ref)
+    assert code == EXIT_MATCH and "(float16 step x scale)" in out, out
+    moved[0, 1] = acts[0, 1] + np.float16(0.002)  # beyond one step at the array's scale (1.0): 2 ** -10
+    new, ref = pair(tmp_path, {"acts": moved}, {"cpu": AVX512_BF16}, base={"acts": acts}, dtype="float32")
+    assert run_verify(capsys, new, "--against", ref)[0] == EXIT_MISMATCH
+
+
+TOP_IDS = np.array([[[5, 7, 9], [3, 1, 2]]], np.int32)  # (request, x: generated, top_k)
+TOP_LPS = np.array([[[-0.5, -1.0, -1.00001], [-0.1, -3.0, -4.0]]], np.float32)
+GENERATED = {"tokens": np.array([[5, 3]], np.int32), "logprob": np.array([[-0.5, -0.1]], np.float32),
+             "top_token_ids": TOP_IDS, "top_logprob": TOP_LPS}
+
+
+@pytest.mark.parametrize("ids, lps, ok", [
+    ([[[5, 9, 7], [3, 1, 2]]], [[[-0.5, -1.00001, -1.0], [-0.1, -3.0, -4.0]]], True),  # a near tie reordered
+    ([[[5, 7, 8], [3, 1, 2]]], [[[-0.5, -1.0, -1.00002], [-0.1, -3.0, -4.0]]], True),  # a near tie at the edge
+    ([[[3, 1, 2], [5, 7, 9]]], [[[-0.1, -3.0, -4.0], [-0.5, -1.0, -1.00001]]], False),  # steps swapped
+    ([[[5, 7, 9], [3, 2, 1]]], [[[-0.5, -1.0, -1.00001], [-0.1, -3.0, -4.0]]], False),  # distinct tokens swapped
+])
+def test_top_k_ids_of_a_tolerant_comparison_compare_as_sets(tmp_path, capsys, ids, lps, ok):
+    changes = {"top_token_ids": np.array(ids, np.int32), "top_logprob": np.array(lps, np.float32)}
+    new, ref = pair(tmp_path, changes, {"cpu": AVX512_BF16}, base=GENERATED, dtype="float32")
+    code, out, _ = run_verify(capsys, new, "--against", ref)
+    assert code == (EXIT_MATCH if ok else EXIT_MISMATCH), out
+    assert "top_token_ids" in out
+    # on one kernel path, the ids are exact
+    new, ref = pair(tmp_path, changes, base=GENERATED, dtype="float32")
+    assert run_verify(capsys, new, "--against", ref)[0] == EXIT_MISMATCH
+
+
+def test_teacher_forced_tokens_must_stay_greedy_within_tolerance(tmp_path, capsys):
+    """A forced token that another token overtook beyond the tolerance: a free-running rerun would have forked
+    there. Within the tolerance (a near tie), it passes."""
+    tied = np.array([[[5, 7, 9], [3, 1, 2]]], np.int32), np.array([[[-0.5, -1.0, -1.00001], [-0.1, -0.1001, -4.0]]],
+                                                                  np.float32)
+    base = {**GENERATED, "top_token_ids": tied[0], "top_logprob": tied[1]}
+    ref = make_store(tmp_path / "ref.zarr", base, dtype="float32")
+    forced = {"sampling": {"temperature": 0.0, "teacher_forcing": str(ref)}}
+    for name, lead, ok in (("near", 5e-5, True), ("fork", 1e-2, False)):  # token 1's lead over the forced 3
+        ids, lps = tied[0].copy(), tied[1].copy()
+        ids[0, 1], lps[0, 1] = [1, 3, 2], [-0.1 + lead, -0.1, -4.0]
+        new = make_store(tmp_path / f"{name}.zarr", {**base, "top_token_ids": ids, "top_logprob": lps},
+                         cpu=AVX512_BF16, dtype="float32", config=forced)
+        code, out, _ = run_verify(capsys, new, "--against", ref)
+        assert "teacher-forced to the reference's" in out
+        assert code == (EXIT_MATCH if ok else EXIT_MISMATCH), out
+    row = next(line for line in out.splitlines() if line.strip().startswith("tokens "))
+    assert "1 of 2 reference tokens are no longer the greedy choice" in row and "request=0, x=1" in row
 
 
 def test_value_kinds():

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .architectures import DECODER_LAYERS
+
+# config.json keys vLLM reads a model's longest sequence from (the smallest of those present counts)
+MAX_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                   "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
 
 
 class UnsupportedModel(ValueError):
@@ -24,24 +29,90 @@ class ModelFacts:
     hidden_size: int
     vocab_size: int
     weights_sha256: str
+    # what vLLM's own checks need (``interp_runner.engine_rules``)
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    dtype: str = "float32"  # of the weights in config.json
+    max_model_len: int | None = None  # the longest sequence vLLM allows (None: the config does not say)
+    max_model_len_key: str = ""  # where that comes from
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelFacts:
-        config = json.loads((folder / "config.json").read_text())
+        config = read_json(folder / "config.json")
         architecture = (config.get("architectures") or ["<none>"])[0]
         if architecture not in DECODER_LAYERS:
             raise UnsupportedModel(
                 f"unsupported architecture {architecture}; supported: {', '.join(DECODER_LAYERS)}"
             )
+        if not any(folder.glob("*.safetensors")):
+            raise UnsupportedModel(f"{folder} holds no .safetensors weights")
         text = config.get("text_config", config)
+
+        def count(key: str, default: int | None = None) -> int:
+            value = text.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UnsupportedModel(f"{folder / 'config.json'}: {key} is {value!r}, not a positive int")
+            return value
+
+        num_heads = count("num_attention_heads")
+        hidden_size = count("hidden_size")
+        tokenizer_config = folder / "tokenizer_config.json"
+        max_len, max_len_key = max_model_len(text, read_json(tokenizer_config) if tokenizer_config.is_file() else {})
         return cls(
             path=str(folder),
             architecture=architecture,
-            num_layers=int(text["num_hidden_layers"]),
-            hidden_size=int(text["hidden_size"]),
-            vocab_size=int(text["vocab_size"]),
+            num_layers=count("num_hidden_layers"),
+            hidden_size=hidden_size,
+            vocab_size=count("vocab_size"),
             weights_sha256=weights_sha256(folder),
+            num_heads=num_heads,
+            num_kv_heads=count("num_key_value_heads", num_heads),
+            head_dim=count("head_dim") if text.get("head_dim") is not None else hidden_size // num_heads,
+            intermediate_size=count("intermediate_size"),
+            dtype=str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "float32"),
+            max_model_len=max_len,
+            max_model_len_key=max_len_key,
         )
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UnsupportedModel(f"cannot read {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise UnsupportedModel(f"{path} is not a JSON object")
+    return data
+
+
+def max_model_len(config: dict, tokenizer_config: dict) -> tuple[int | None, str]:
+    """The longest sequence vLLM 0.26 allows the model (``_get_and_verify_max_len``): the smallest length key of
+    the config (``model_max_length`` wins where given), at most the tokenizer's ``model_max_length``, times the
+    RoPE scaling factor."""
+    found = {k: config[k] for k in MAX_LENGTH_KEYS if isinstance(config.get(k), (int, float))}
+    if not found:
+        return None, ""
+    key = "model_max_length" if "model_max_length" in found else min(found, key=found.get)
+    length = found[key]
+    tokenizer_max = tokenizer_config.get("model_max_length")
+    if isinstance(tokenizer_max, (int, float)) and tokenizer_max < length:
+        key, length = "model_max_length (tokenizer_config.json)", tokenizer_max
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    if isinstance(rope, dict):
+        per_layer_type = rope.values() if all(isinstance(v, dict) for v in rope.values()) else [rope]
+        factor = 1.0
+        for params in per_layer_type:
+            kind = params.get("rope_type", params.get("type"))
+            if kind not in ("su", "longrope", "llama3"):
+                factor = params.get("factor") or factor
+                if kind == "yarn" and "original_max_position_embeddings" in params:
+                    length = params["original_max_position_embeddings"]
+        if factor != 1.0:
+            key = f"{key} x rope factor {factor}"
+        length *= factor
+    return (int(length) if math.isfinite(length) else None), key
 
 
 def weights_sha256(folder: Path) -> str:

