@@ -23,8 +23,6 @@ Root attributes hold the manifest (``interp_runner.provenance``) and ``status``:
 from __future__ import annotations
 
 import os
-import pickle
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +38,9 @@ STATUS_RUNNING, STATUS_COMPLETE, STATUS_FAILED = "running", "complete", "failed"
 
 
 def open_store(path: Path, manifest: dict) -> zarr.Group:
-    """Create (or replace) the store, marked running, with the manifest written first."""
-    group = zarr.open_group(str(path), mode="w", zarr_format=3)
+    """Create the store, marked running, with the manifest written first; never replaces one (where a run writes
+    its store, and what it may replace, is ``interp_runner.store_claim``'s)."""
+    group = zarr.open_group(str(path), mode="w-", zarr_format=3)
     group.attrs.update({"status": STATUS_RUNNING, **manifest})
     return group
 
@@ -215,34 +214,3 @@ def write_results(path: Path, ds: xr.Dataset) -> None:
     with zarr.config.set({"async.concurrency": max(os.cpu_count() or 1, zarr.config.get("async.concurrency"))}):
         ds.to_zarr(str(path), mode="a", zarr_format=3, consolidated=False, encoding=encoding)
 
-
-class Journal:
-    """Finished units of work of a run, beside its store (``<store>.units/``), one file per unit written
-    atomically as the unit ends: what a resumed run takes instead of running the unit again. Removed once the
-    store is complete."""
-
-    def __init__(self, store_path: Path):
-        self.dir = Path(str(store_path) + ".units")
-
-    def open(self, resume: bool) -> int:
-        """Start empty, or keep what an earlier attempt finished; returns the number of finished units."""
-        if not resume:
-            shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        return len(list(self.dir.glob("*.pkl")))
-
-    def _path(self, stage: int, unit: int) -> Path:
-        return self.dir / f"stage{stage}-unit{unit:05d}.pkl"
-
-    def load(self, stage: int, unit: int) -> dict | None:
-        path = self._path(stage, unit)
-        return pickle.loads(path.read_bytes()) if path.exists() else None
-
-    def record(self, stage: int, unit: int, results: dict) -> None:
-        path = self._path(stage, unit)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL))
-        tmp.replace(path)
-
-    def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)

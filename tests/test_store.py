@@ -25,6 +25,7 @@ from interp_runner.store import (
     results_dataset,
     write_results,
 )
+from interp_runner.store_claim import StoreTarget
 
 HIDDEN = 128
 HOOKS = ["mlp_out", "post_block"]
@@ -255,17 +256,17 @@ def test_manifest_survives_results_and_status_goes_running_to_complete(written, 
     assert attrs["started_at"] <= attrs["finished_at"]
 
 
-def test_open_store_replaces_an_old_store(tmp_path, prepared):
+def test_open_store_never_replaces_a_store(tmp_path, prepared):
     path = tmp_path / "r.zarr"
     manifest = make_manifest(prepared, store_config())
     results, _ = fake_results(prepared.plan)
     open_store(path, manifest)
     write_results(path, results_dataset(prepared.plan, {r.rid: r for r in results}, HIDDEN))
     mark(path, STATUS_COMPLETE)
-    open_store(path, manifest)
-    attrs = dict(zarr.open_group(str(path), mode="r").attrs)
-    assert attrs["status"] == STATUS_RUNNING
-    assert list(zarr.open_group(str(path), mode="r").array_keys()) == []
+    with pytest.raises(Exception, match="already contains data"):
+        open_store(path, manifest)
+    assert dict(zarr.open_group(str(path), mode="r").attrs)["status"] == STATUS_COMPLETE
+    assert len(list(zarr.open_group(str(path), mode="r").array_keys())) > 5
 
 
 class FailingEngine:
@@ -273,17 +274,12 @@ class FailingEngine:
         raise RuntimeError("engine exploded: out of fake memory")
 
 
-def test_failed_run_leaves_a_failed_store(tmp_path):
+def test_a_run_that_fails_before_any_unit_leaves_nothing(tmp_path):
     store = tmp_path / "failed.zarr"
     config = base_config(store={"path": str(store)}, capture=[{"hooks": ["post_block"], "layers": 1}])
     with pytest.raises(RuntimeError, match="engine exploded"):
         run(config, tmp_path / "run", overrides=["store.path=x"], engine_factory=FailingEngine, log=lambda _: None)
-    assert store.exists()
-    attrs = dict(zarr.open_group(str(store), mode="r").attrs)
-    assert attrs["status"] == STATUS_FAILED
-    assert "RuntimeError" in attrs["error"] and "engine exploded: out of fake memory" in attrs["error"]
-    assert "finished_at" in attrs
-    assert MANIFEST_KEYS <= set(attrs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no store, no unfinished run, no lock
     assert not (tmp_path / "run").exists()
 
 
@@ -306,18 +302,26 @@ class FakeEngineBase:
         pass
 
 
-def test_engine_failure_mid_run_also_marks_failed(tmp_path):
+def test_engine_failure_mid_run_keeps_the_unfinished_run_marked_failed(tmp_path):
     store = tmp_path / "failed.zarr"
+    staged = StoreTarget.at(store).staged
+    config = store_config(store={"path": str(store), "unit_requests": 1})
+    results = {r.rid: r for r in fake_results(prepare(config).plan)[0]}
 
-    class DiesInRun(FakeEngineBase):
-        def run(self, requests, vectors=None, use_tqdm=True):
-            assert dict(zarr.open_group(str(store), mode="r").attrs)["status"] == STATUS_RUNNING
-            raise KeyboardInterrupt()
+    class DiesInSecondUnit(FakeEngineBase):
+        def run(self, requests, vectors=None, use_tqdm=True, **_):
+            assert dict(zarr.open_group(str(staged), mode="r").attrs)["status"] == STATUS_RUNNING
+            if requests[0].rid != prepare(config).plan.requests[0].rid:
+                raise KeyboardInterrupt()
+            return {r.rid: results[r.rid] for r in requests}
 
+    logged = []
     with pytest.raises(KeyboardInterrupt):
-        run(base_config(store={"path": str(store)}), tmp_path, engine_factory=DiesInRun, log=lambda _: None)
-    attrs = dict(zarr.open_group(str(store), mode="r").attrs)
-    assert attrs["status"] == STATUS_FAILED and "KeyboardInterrupt" in attrs["error"]
+        run(config, tmp_path, engine_factory=DiesInSecondUnit, log=logged.append)
+    attrs = dict(zarr.open_group(str(staged), mode="r").attrs)
+    assert attrs["status"] == STATUS_FAILED and "KeyboardInterrupt" in attrs["error"] and "finished_at" in attrs
+    assert MANIFEST_KEYS <= set(attrs)
+    assert not store.exists() and any("resume=true continues it" in line for line in logged)
 
 
 def test_pipeline_with_fake_engine_completes(tmp_path):
@@ -329,16 +333,19 @@ def test_pipeline_with_fake_engine_completes(tmp_path):
         def __init__(self, model_path, engine_cfg, spec):
             seen["spec"] = spec
 
-        def run(self, requests, vectors=None, use_tqdm=True):
-            seen["status"] = dict(zarr.open_group(str(store), mode="r").attrs)["status"]
+        def run(self, requests, vectors=None, use_tqdm=True, **_):
+            seen["status"] = dict(zarr.open_group(str(StoreTarget.at(store).staged), mode="r").attrs)["status"]
+            seen["published"] = store.exists()
             return {r.rid: r for r in fake_results(prepare(config).plan)[0]}
 
     assert run(config, tmp_path / "run", engine_factory=FakeEngine, log=lambda _: None) == store
-    assert seen["status"] == STATUS_RUNNING
+    assert seen["status"] == STATUS_RUNNING and not seen["published"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.zarr"]  # the unfinished run and the lock are gone
     attrs = dict(zarr.open_group(str(store), mode="r").attrs)
     assert attrs["status"] == STATUS_COMPLETE and "error" not in attrs
-    assert attrs["engine"] == {"dtype": "float32", "plugin_status": {"loaded": True}, "reused": False,
-                               "intervention_checksums": [], "builds_in_process": 1, "runs_in_process": 1}
+    assert attrs["engine"].items() >= {"dtype": "float32", "plugin_status": {"loaded": True}, "reused": False,
+                                       "intervention_checksums": [], "builds_in_process": 1,
+                                       "runs_in_process": 1}.items()
     assert MANIFEST_KEYS <= set(attrs)
     ds = xr.open_zarr(str(store), consolidated=False)
     assert ds.sizes["request"] == 3 and ds["acts"].shape[:3] == (3, 2, 2)

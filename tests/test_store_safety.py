@@ -1,0 +1,473 @@
+"""Stores are safe: a run destroys nothing it did not create, locks its store path, and never runs code it reads.
+
+Through the real CLI where a config is refused (exit 2, the key named, no traceback, no engine started, what was
+there intact byte for byte); in process, with a fake engine, for the journal of an unfinished run. Planted payloads
+(pickles, object arrays, YAML python tags) would create a marker file if anything ran them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+import zarr
+
+from conftest import REPO, base_config
+from interp_runner.config import ConfigError
+from interp_runner.engine import RequestResult
+from interp_runner.journal import INDEX, Journal
+from interp_runner.pipeline import prepare, run
+from interp_runner.store_claim import StoreTarget
+from interp_runner.store_lock import StoreLock
+from test_cli import interp_run
+from test_store import FakeEngineBase, fake_results, store_config
+
+GOLDEN = REPO / "experiments" / "golden" / "steering_smoke.zarr"
+SMOKE = ("+experiment=steering_smoke", "model=tiny_random", "engine=eager", "sampling.max_tokens=2")
+
+
+class Planted:
+    """Unpickling this opens (creates) ``marker``: proof that a pickle ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def smoke(tmp_path: Path, *args: str):
+    return interp_run(*SMOKE, *args, f"hydra.run.dir={tmp_path / 'hydra'}")
+
+
+def assert_refused(proc, key: str, *phrases: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"config error: {key}:" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "engine started" not in proc.stdout
+    for phrase in phrases:
+        assert phrase in proc.stderr, (phrase, proc.stderr[-3000:])
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones too) with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def golden_copy(path: Path) -> dict:
+    shutil.copytree(GOLDEN, path)
+    return dict(zarr.open_group(str(path), mode="r").attrs)
+
+
+# ------------------------------------------------------------------ what is at store.path
+
+
+@pytest.fixture
+def area(tmp_path) -> Path:
+    """The folder the stores go in (Hydra's run folder is elsewhere: it is not ours to compare)."""
+    (tmp_path / "data").mkdir()
+    return tmp_path / "data"
+
+
+def test_a_folder_holding_a_user_file_is_never_touched(tmp_path, area):
+    target = area / "results.zarr"
+    target.mkdir()
+    (target / "notes.txt").write_text("my notes")
+    before = snapshot(area)
+    for extra in ((), ("store.overwrite=true",)):
+        assert_refused(smoke(tmp_path, f"store.path={target}", *extra), "store.path", "not a store of this runner")
+        assert snapshot(area) == before  # and no unfinished run or lock is left either
+
+
+def test_another_store_at_the_path_is_refused_naming_it(tmp_path, area):
+    target = area / "results.zarr"
+    attrs = golden_copy(target)
+    before = snapshot(area)
+    proc = smoke(tmp_path, f"store.path={target}")
+    assert_refused(proc, "store.path", "already holds a store", "experiment steering_smoke v1",
+                   f"run {attrs['run_key'][:12]}", f"started_at {attrs['started_at']}", "status complete",
+                   "store.overwrite=true")
+    assert snapshot(area) == before
+
+
+@pytest.mark.engine
+def test_overwrite_replaces_a_store_and_its_figures_only_once_the_new_one_is_complete(tmp_path, area):
+    target = area / "results.zarr"
+    old = golden_copy(target)
+    (area / "results.figures").mkdir()
+    (area / "results.figures" / "old.png").write_bytes(b"old figure")
+    (area / "notes.txt").write_text("beside the store, not its own")
+    proc = smoke(tmp_path, f"store.path={target}", "store.overwrite=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "store.overwrite: replaced" in proc.stdout
+    new = dict(zarr.open_group(str(target), mode="r").attrs)
+    assert new["status"] == "complete" and new["started_at"] != old["started_at"]
+    assert xr.open_zarr(str(target), consolidated=False).sizes["generated"] == 2
+    assert sorted(p.name for p in area.iterdir()) == ["notes.txt", "results.zarr"]
+    assert (area / "notes.txt").read_text() == "beside the store, not its own"
+
+
+def test_a_config_the_engine_refuses_leaves_the_existing_store_byte_identical(tmp_path, area):
+    target = area / "results.zarr"
+    golden_copy(target)
+    before = snapshot(area)
+    proc = smoke(tmp_path, f"store.path={target}", "store.overwrite=true", "engine.batch_invariant=true")
+    if proc.returncode == 0:
+        pytest.skip("this machine has a GPU: batch-invariant mode is allowed")
+    assert_refused(proc, "engine.batch_invariant", "needs a GPU")
+    assert snapshot(area) == before  # no unfinished run, figures or lock left
+
+
+def test_a_store_path_under_a_regular_file_is_refused(tmp_path, area):
+    (area / "somefile").write_text("a file")
+    proc = smoke(tmp_path, f"store.path={area / 'somefile' / 'x.zarr'}")
+    assert_refused(proc, "store.path", "is a file, not a folder")
+    assert snapshot(area) == {"somefile": b"a file"}
+
+
+def test_figures_without_their_store_are_refused(tmp_path, area):
+    (area / "results.figures").mkdir()
+    (area / "results.figures" / "mine.png").write_bytes(b"a figure")
+    before = snapshot(area)
+    assert_refused(smoke(tmp_path, f"store.path={area / 'results.zarr'}"), "store.path", "results.figures exists")
+    assert snapshot(area) == before
+
+
+@pytest.mark.parametrize("what", ["user folder", "nothing", "complete store"])
+def test_resume_needs_an_unfinished_run(tmp_path, area, what):
+    target = area / "results.zarr"
+    if what == "user folder":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    elif what == "complete store":
+        golden_copy(target)
+    before = snapshot(area)
+    proc = smoke(tmp_path, f"store.path={target}", "resume=true")
+    expected = {"user folder": "(store.path) is not a store of this runner", "nothing": "no store to resume",
+                "complete store": "with no unfinished run beside it"}[what]
+    assert_refused(proc, "resume", expected)
+    assert snapshot(area) == before
+    assert sorted(p.name for p in area.iterdir()) == ([] if what == "nothing" else ["results.zarr"])
+
+
+# ------------------------------------------------------------------ locks
+
+
+def test_a_store_path_locked_by_another_process_is_refused_naming_the_holder(tmp_path, area):
+    target = area / "results.zarr"
+    lock = StoreLock(StoreTarget.at(target).lock_file)
+    lock.acquire()
+    try:
+        proc = smoke(tmp_path, f"store.path={target}")
+    finally:
+        lock.release()
+    assert_refused(proc, "store.path", "in use by another run", f"pid {os.getpid()}",
+                   f"host {socket.gethostname()}", f"started {lock.holder['started_at']}")
+    assert list(area.iterdir()) == []
+
+
+@pytest.mark.engine
+def test_two_runs_into_one_store_path(tmp_path, area):
+    target = area / "results.zarr"
+    lock_file = StoreTarget.at(target).lock_file
+    cli = REPO / ".venv" / "bin" / "interp-run"
+    with open(tmp_path / "first.out", "w") as out, open(tmp_path / "first.err", "w") as err:
+        first = subprocess.Popen([str(cli), *SMOKE, "sampling.max_tokens=32", f"store.path={target}",
+                                  f"hydra.run.dir={tmp_path / 'first'}"], cwd=REPO, stdout=out, stderr=err)
+        deadline = time.time() + 300
+        while time.time() < deadline and not (lock_file.exists() and lock_file.read_bytes()):
+            assert first.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
+            time.sleep(0.05)
+        second = smoke(tmp_path, f"store.path={target}")
+        first.wait(timeout=600)
+    assert first.returncode == 0, (tmp_path / "first.err").read_text()[-3000:]
+    assert_refused(second, "store.path", "in use by another run", f"pid {first.pid} ")
+    assert dict(zarr.open_group(str(target), mode="r").attrs)["status"] == "complete"
+    assert sorted(p.name for p in area.iterdir()) == ["results.zarr"]  # the lock went with the run
+
+
+def test_the_stale_lock_of_a_killed_process_is_broken(tmp_path, area):
+    target = area / "results.zarr"
+    lock_file = StoreTarget.at(target).lock_file
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from interp_runner.store_lock import "
+                               "StoreLock; StoreLock(sys.argv[1]).acquire(); time.sleep(600)", str(lock_file)])
+    deadline = time.time() + 120
+    while time.time() < deadline and not (lock_file.exists() and lock_file.read_bytes()):
+        time.sleep(0.05)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    assert json.loads(lock_file.read_bytes())["pid"] == holder.pid  # left behind by the killed holder
+    # a run that takes the lock (here, to be refused after it: nothing to resume) breaks it and says so
+    proc = smoke(tmp_path, f"store.path={target}", "resume=true")
+    assert f"broke the stale lock on {target}: its holder (pid {holder.pid} " in proc.stdout
+    assert_refused(proc, "resume", "no store to resume")
+    assert list(area.iterdir()) == []
+
+
+# ------------------------------------------------------------------ an unfinished run and its journal
+
+
+class NoEngine:
+    def __init__(self, *args):
+        raise AssertionError("no engine may start")
+
+
+def engine_serving(config: dict, dies_at_unit: int | None = None):
+    """A fake engine class answering the plan's requests with ``fake_results``; interrupted at a unit."""
+    plan = prepare(config).plan
+    results = {r.rid: r for r in fake_results(plan)[0]}
+    order = [r.rid for r in plan.requests]
+
+    class Serving(FakeEngineBase):
+        def run(self, requests, vectors=None, use_tqdm=True, **_):
+            if dies_at_unit is not None and order.index(requests[0].rid) >= dies_at_unit:
+                raise KeyboardInterrupt()
+            return {r.rid: results[r.rid] for r in requests}
+
+    return Serving
+
+
+@pytest.fixture
+def unfinished(tmp_path):
+    """A run of 3 one-request units, interrupted in its second: (its config, its StoreTarget)."""
+    config = store_config(store={"path": str(tmp_path / "results.zarr"), "unit_requests": 1})
+    with pytest.raises(KeyboardInterrupt):
+        run(config, tmp_path, engine_factory=engine_serving(config, dies_at_unit=1), log=lambda _: None)
+    target = StoreTarget.at(tmp_path / "results.zarr")
+    assert sorted(json.loads((target.journal / INDEX).read_text())["units"]) == ["stage0-unit00000"]
+    return config, target
+
+
+def resume(config: dict, engine=NoEngine) -> list[str]:
+    logged = []
+    run({**config, "resume": True}, Path(config["store"]["path"]).parent, engine_factory=engine, log=logged.append)
+    return logged
+
+
+def test_an_unfinished_run_is_refused_until_resumed_or_overwritten(unfinished, tmp_path):
+    config, target = unfinished
+    before = snapshot(tmp_path)
+    proc = interp_run(*SMOKE, f"store.path={target.path}", f"hydra.run.dir={tmp_path.parent / (tmp_path.name + '-h')}")
+    assert_refused(proc, "store.path", "an unfinished run is at", "resume=true", "store.overwrite=true")
+    assert snapshot(tmp_path) == before
+    logged = []
+    replaced = {**config, "store": {**config["store"], "overwrite": True}}
+    run(replaced, tmp_path, engine_factory=engine_serving(replaced), log=logged.append)
+    assert any(f"store.overwrite: discarded the unfinished run at {target.work}" in line for line in logged)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.zarr"]
+
+
+def test_a_resumed_run_takes_its_journal_and_ends_like_an_uninterrupted_one(unfinished, tmp_path):
+    config, target = unfinished
+    logged = resume(config, engine_serving(config))
+    assert any(line.startswith(f"resuming {target.path}: 1 unit(s) already done") for line in logged)
+    assert any("stage 0 unit 0: taken from the journal" in line for line in logged)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.zarr"]
+    whole = {**config, "store": {**config["store"], "path": str(tmp_path / "whole" / "results.zarr")}}
+    run(whole, tmp_path / "whole", engine_factory=engine_serving(whole), log=lambda _: None)
+    xr.testing.assert_equal(xr.open_zarr(str(target.path), consolidated=False),
+                            xr.open_zarr(str(tmp_path / "whole" / "results.zarr"), consolidated=False))
+
+
+def test_a_pickle_planted_in_the_journal_is_never_loaded(unfinished, tmp_path):
+    config, target = unfinished
+    marker = tmp_path / "ran"
+    (target.journal / "stage0-unit00001.pkl").write_bytes(pickle.dumps({"r": Planted(marker)}))
+    with pytest.raises(ConfigError) as err:
+        resume(config)
+    assert err.value.problems[0][0] == "resume"
+    assert "stage0-unit00001.pkl was not written by the journal" in str(err.value)
+    assert not marker.exists()
+
+
+def test_a_pickle_where_the_old_journal_was_is_ignored(unfinished, tmp_path):
+    config, target = unfinished
+    marker = tmp_path / "ran"
+    old = Path(str(target.path) + ".units")
+    old.mkdir()
+    (old / "stage0-unit00000.pkl").write_bytes(pickle.dumps({"r": Planted(marker)}))
+    resume(config, engine_serving(config))
+    assert not marker.exists() and dict(zarr.open_group(str(target.path), mode="r").attrs)["status"] == "complete"
+
+
+def rehash(target: StoreTarget, unit: str) -> None:
+    """Make a unit's recorded sha256s match its files, as someone who rewrote them on purpose would."""
+    import hashlib
+
+    doc_path = target.journal / f"{unit}.json"
+    doc = json.loads(doc_path.read_bytes())
+    doc["arrays_sha256"] = hashlib.sha256((target.journal / f"{unit}.npz").read_bytes()).hexdigest()
+    doc_path.write_text(json.dumps(doc))
+    index = json.loads((target.journal / INDEX).read_bytes())
+    index["units"][unit]["sha256"] = hashlib.sha256(doc_path.read_bytes()).hexdigest()
+    (target.journal / INDEX).write_text(json.dumps(index))
+
+
+def test_an_object_array_planted_in_a_unit_is_refused_even_with_matching_hashes(unfinished, tmp_path):
+    config, target = unfinished
+    marker = tmp_path / "ran"
+    evil = np.empty(1, dtype=object)
+    evil[0] = Planted(marker)
+    with np.load(target.journal / "stage0-unit00000.npz") as arrays:
+        planted = {**dict(arrays), "a0": evil}
+    np.savez(target.journal / "stage0-unit00000.npz", **planted)  # pickles the object array
+    rehash(target, "stage0-unit00000")
+    with pytest.raises(ConfigError) as err:
+        resume(config)
+    assert err.value.problems[0][0] == "resume" and "unit stage0-unit00000 cannot be read" in str(err.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("part", ["npz", "json"])
+def test_a_unit_changed_after_it_was_written_fails_its_sha256_check(unfinished, part):
+    config, target = unfinished
+    path = target.journal / f"stage0-unit00000.{part}"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError) as err:
+        resume(config)
+    assert err.value.problems[0][0] == "resume"
+    assert f"stage0-unit00000.{part} fails its sha256 check" in str(err.value)
+
+
+def test_a_json_unit_naming_a_class_is_refused(unfinished, tmp_path):
+    config, target = unfinished
+    doc_path = target.journal / "stage0-unit00000.json"
+    doc = json.loads(doc_path.read_bytes())
+    rid = next(iter(doc["results"]))
+    doc["results"][rid]["score"] = {"py/object": ["builtins.open", [str(tmp_path / "ran"), "w"]]}
+    doc_path.write_text(json.dumps(doc))
+    rehash(target, "stage0-unit00000")
+    with pytest.raises(ConfigError) as err:
+        resume(config)
+    assert "unknown tag 'py/object'" in str(err.value) and not (tmp_path / "ran").exists()
+
+
+def test_a_deleted_unit_runs_again(unfinished):
+    config, target = unfinished
+    for ext in ("json", "npz"):
+        (target.journal / f"stage0-unit00000.{ext}").unlink()
+    logged = resume(config, engine_serving(config))
+    assert any("0 unit(s) already done" in line for line in logged)
+    assert not any("taken from the journal" in line for line in logged)
+
+
+def test_the_journal_gives_back_every_field_exactly(tmp_path):
+    result = RequestResult(
+        rid="r7", prompt_index=3, token_ids=[5, 0], text="é\n", logprobs=[-0.1, float("-inf")],
+        top_logprobs=[[(5, -0.1), (9, float("nan"))], []],
+        captures={12: (np.arange(2, dtype=np.int32), np.random.default_rng(0).standard_normal((2, 8)).astype(np.float16))},
+        score={"token_ids": np.array([4, 2], np.int32), "logprobs": np.array([-1.5, np.nan], np.float32),
+               "top_id": 4, "top_logprob": np.float32(-0.25), "ids64": np.int64(2**40), "flag": np.bool_(True)},
+        void="source missing", cached_tokens=16,
+    )
+    journal = Journal(tmp_path / "journal")
+    journal.open(resume=False)
+    journal.record(1, 2, {"r7": result, "r8": RequestResult("r8", 0, [], "", [])})
+    back = Journal(tmp_path / "journal")
+    assert back.open(resume=True) == 1
+    got = back.load(1, 2)
+
+    def same(a, b):
+        assert type(a) is type(b), (a, b)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                same(x, y)
+        elif isinstance(a, dict):
+            assert list(a) == list(b)
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, (float, np.generic)):
+            assert np.array(a).tobytes() == np.array(b).tobytes()  # NaN and -inf included, bit for bit
+        else:
+            assert a == b
+
+    for rid, expected in {"r7": result, "r8": RequestResult("r8", 0, [], "", [])}.items():
+        for field in expected.__dataclass_fields__:
+            same(getattr(expected, field), getattr(got[rid], field))
+
+
+# ------------------------------------------------------------------ other files a run or a check reads
+
+
+def test_vector_files_holding_pickles_are_refused_and_never_run(tmp_path):
+    import torch
+
+    marker = tmp_path / "ran"
+    evil = np.empty(1, dtype=object)
+    evil[0] = Planted(marker)
+    np.save(tmp_path / "evil.npy", evil, allow_pickle=True)
+    torch.save({"v": Planted(marker)}, tmp_path / "evil.pt")
+    for name in ("evil.npy", "evil.pt"):
+        config = base_config(vectors={"evil": str(tmp_path / name)},
+                             steering={"global": {"base": {"post_block": {"layer": 0, "vector": "evil"}}}})
+        with pytest.raises(ConfigError) as err:
+            prepare(config)
+        assert err.value.problems[0][0].startswith("vectors.evil"), err.value.problems
+        assert not marker.exists()
+
+
+def test_interp_verify_never_runs_a_python_tag_in_a_store_config(tmp_path, capsys):
+    from interp_runner import verify
+
+    store = tmp_path / "results.zarr"
+    golden_copy(store)
+    marker = tmp_path / "ran"
+    meta = json.loads((store / "zarr.json").read_text())
+    meta["attributes"]["config_yaml"] = f"!!python/object/apply:builtins.open ['{marker}', 'w']\n"
+    meta["attributes"]["config_sha256"] = "0" * 64  # so that comparing with another store reads it too
+    (store / "zarr.json").write_text(json.dumps(meta))
+    for args in (["--rerun", "--out", str(tmp_path / "out")], ["--against", str(GOLDEN)]):
+        assert verify.main([str(store), *args]) == 2
+        assert "config_yaml is not plain YAML" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_interp_verify_refuses_a_store_with_a_pickled_object_array(tmp_path, capsys):
+    from interp_runner import verify
+
+    store, marker = tmp_path / "v2.zarr", tmp_path / "ran"
+    (store / "x").mkdir(parents=True)
+    (store / ".zgroup").write_text(json.dumps({"zarr_format": 2}))
+    (store / ".zattrs").write_text(json.dumps({"status": "complete", "schema": "interp-runner/1"}))
+    (store / "x" / ".zarray").write_text(json.dumps({
+        "zarr_format": 2, "shape": [1], "chunks": [1], "dtype": "|O", "compressor": None, "fill_value": 0,
+        "filters": [{"id": "pickle"}], "order": "C"}))
+    (store / "x" / ".zattrs").write_text(json.dumps({"_ARRAY_DIMENSIONS": ["d"]}))
+    evil = np.empty(1, dtype=object)
+    evil[0] = Planted(marker)
+    (store / "x" / "0").write_bytes(pickle.dumps(evil))
+    assert verify.main([str(store), "--against", str(GOLDEN)]) == 2
+    assert "cannot read its arrays" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_a_sweep_index_with_a_python_tag_is_read_as_text(tmp_path):
+    from interp_runner.sweep import INDEX as SWEEP_INDEX, open_sweep
+
+    marker = tmp_path / "ran"
+    tag = f"!!python/object/apply:builtins.open ['{marker}', 'w']"
+    jobs = []
+    for num, value in enumerate(("1", tag)):
+        golden_copy(tmp_path / str(num) / "results.zarr")
+        jobs.append({"num": num, "overrides": [f"sampling.seed={value}"], "status": "complete",
+                     "store": f"{num}/results.zarr"})
+    (tmp_path / SWEEP_INDEX).write_text(json.dumps({"jobs": jobs}))
+    sweep = open_sweep(tmp_path)
+    assert list(sweep["sampling.seed"].values) == ["1", tag] or list(sweep["sampling.seed"].values) == [1, tag]
+    assert not marker.exists()
