@@ -12,21 +12,22 @@ clean prediction is not the answer are filtered out (their cells never run) and 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .compiler import (
-    EngineRequest, Plan, Prompt, answer_token, bank_rows_for, check_length, engine_spec_of, make_request,
-    mark_private_kv, parse_layers, requests_hash,
-)
+from .compiler import Plan, answer_token, bank_rows_for, check_length, check_vocabulary
 from .config.errors import ConfigError
-from .config.schema import RunConfig, resolve_path
+from .config.schema import FactRow, RunConfig, resolve_path
+from .inputs import read_rows
 from .models.facts import ModelFacts
 from .patching import align, keep_groups, run_digest, span_positions
 from .payload import ref_key, vector_key
+from .request_build import (
+    EngineRequest, Patch, Prompt, engine_spec_of, make_request, mark_private_kv, no_gc_passes, requests_hash,
+)
+from .selectors import parse_layers
 from .sites import site_id, site_of
 
 KIND_HOOK = {"mlp": "mlp_out", "attn": "attn_out"}
@@ -89,48 +90,56 @@ def cell_rid(f: int, kind: str, layer: int, token: int, s: int) -> str:
 def load_facts(cfg: RunConfig, tokenizer, base: Path | None) -> list[TraceFact]:
     trace = cfg.causal_trace
     path = resolve_path(trace.facts, base)
-    if not path.exists():
-        raise ConfigError.at("causal_trace.facts", f"fact file not found: {path}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if trace.num_facts is not None:
-        rows = rows[: trace.num_facts]
+    rows = read_rows(path, "causal_trace.facts", FactRow)
     if not rows:
         raise ConfigError.at("causal_trace.facts", f"{path} holds no facts")
+    if trace.num_facts is not None:
+        if trace.num_facts > len(rows):
+            raise ConfigError.at("causal_trace.num_facts", f"{trace.num_facts}, but {path} holds {len(rows)} facts")
+        rows = rows[: trace.num_facts]
     facts = []
+    ids: dict[str, int] = {}
     for i, row in enumerate(rows):
         where = f"causal_trace.facts[{i}]"
-        missing = [k for k in ("subject", "prompt", "answer") if not row.get(k)]
-        if missing:
-            raise ConfigError.at(where, f"fact has no {', '.join(missing)}")
-        ids = tuple(int(t) for t in tokenizer(row["prompt"]))
-        scored = [answer_token(tokenizer, row["answer"], where + ".answer", cfg.scoring.first_token)]
-        if row.get("foil"):
-            scored.append(answer_token(tokenizer, row["foil"], where + ".foil", cfg.scoring.first_token))
-        clean = Prompt(index=i, id=row.get("id") or f"fact{i}", text=row["prompt"], token_ids=ids,
-                       answer_ids=tuple(scored))
-        subject = span_positions(tokenizer, row["prompt"], row["subject"])
+        fid = row.id or f"fact{i}"
+        if fid in ids:
+            raise ConfigError.at(where + ".id", f"id {fid!r} is fact {ids[fid]}'s already")
+        ids[fid] = i
+        token_ids = tuple(int(t) for t in tokenizer(row.prompt))
+        scored = [answer_token(tokenizer, row.answer, where + ".answer", cfg.scoring.first_token)]
+        if row.foil is not None:
+            scored.append(answer_token(tokenizer, row.foil, where + ".foil", cfg.scoring.first_token))
+        clean = Prompt(index=i, id=fid, text=row.prompt, token_ids=token_ids, answer_ids=tuple(scored))
+        subject = span_positions(tokenizer, row.prompt, row.subject)
         if not subject:
-            raise ConfigError.at(where + ".subject", f"{row['subject']!r} is not in the prompt {row['prompt']!r}")
+            raise ConfigError.at(where + ".subject", f"{row.subject!r} is not in the prompt {row.prompt!r}")
         corrupt, skipped = clean, ()
         if trace.corruption == "counterfactual":
-            if not row.get("corrupt_prompt"):
+            if row.corrupt_prompt is None:
                 raise ConfigError.at(where + ".corrupt_prompt", "counterfactual corruption needs a corrupt_prompt")
-            cids = tuple(int(t) for t in tokenizer(row["corrupt_prompt"]))
-            corrupt = Prompt(index=i, id=clean.id, text=row["corrupt_prompt"], token_ids=cids, answer_ids=clean.answer_ids)
-            mapped, skipped = align(ids, cids, range(len(cids)))
+            cids = tuple(int(t) for t in tokenizer(row.corrupt_prompt))
+            corrupt = Prompt(index=i, id=fid, text=row.corrupt_prompt, token_ids=cids, answer_ids=clean.answer_ids)
+            mapped, skipped = align(token_ids, cids, range(len(cids)))
             if not mapped:
                 raise ConfigError.at(where + ".corrupt_prompt", "cannot be aligned with the prompt")
             skipped = tuple(skipped)
-        facts.append(TraceFact(i, clean.id, row["subject"], row["answer"], clean, corrupt, tuple(subject), skipped))
+        facts.append(TraceFact(i, fid, row.subject, row.answer, clean, corrupt, tuple(subject), skipped))
     return facts
 
 
 def noise_scale(facts: list[TraceFact], embeddings, k: float) -> float:
     """k times the standard deviation of the token embeddings of the facts' subjects (ROME)."""
     ids = [f.clean.token_ids[p] for f in facts for p in f.subject_positions]
-    return float(k * np.std(embeddings(ids), ddof=1))
+    std = float(k * np.std(embeddings(ids), ddof=1))
+    # the noise is float32 (about 5 std at most, in practice): it must stay finite and nonzero there
+    with np.errstate(over="ignore"):
+        if not (np.isfinite(np.float32(8 * std)) and np.float32(std) > 0):
+            raise ConfigError.at("causal_trace.noise.k", f"{k} gives a noise std of {std:.3g}, which float32, the "
+                                                         "precision the engine computes in, cannot hold")
+    return std
 
 
+@no_gc_passes()
 def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | None, embeddings) -> Plan:
     trace = cfg.causal_trace
     if set(trace.kinds) & set(KIND_HOOK) and trace.window > facts_.num_layers:
@@ -138,6 +147,7 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
                              f"{trace.window} is larger than the model, which has {facts_.num_layers} layers")
     layers = tuple(parse_layers(trace.layers, facts_.num_layers, "causal_trace.layers"))
     facts = load_facts(cfg, tokenizer, base)
+    check_vocabulary([f.clean for f in facts] + [f.corrupt for f in facts], facts_.vocab_size, "causal_trace.facts")
     check_length(cfg, [f.clean for f in facts] + [f.corrupt for f in facts], 1)
     samples = trace.noise.samples if trace.corruption == "noise" else 1
     std = noise_scale(facts, embeddings, trace.noise.k) if trace.corruption == "noise" else 0.0
@@ -172,6 +182,19 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
         keep = {"run": run, "groups": keep_groups({site: set(mapped.values()) for site in restored_sites})}
         requests.append(make_request(clean_rid(f), fact.clean, s, keep=keep, max_tokens=1,
                                      meta={"fact": f, "part": "clean"}))
+        # each restore (the clean values at one kind, layer and token) once, for the cells of every noise sample
+        restores: dict[tuple[str, int, int], Patch] = {}
+        restore_refs: dict[str, tuple[str, int, int]] = {}
+        for kind in trace.kinds:
+            for layer in layers:
+                sites = layout.restore_sites(kind, layer, trace.resid_hook)
+                for token, clean_pos in sorted(mapped.items()):
+                    entries = []
+                    for site in sites:
+                        ref = ref_key(run, site, clean_pos)
+                        restore_refs[ref] = (clean_rid(f), site, clean_pos)
+                        entries.append((site, token, ref, 0.0, 1.0))
+                    restores[kind, layer, token] = Patch.of(entries)
         corrupt_entries = []
         if trace.corruption == "noise":
             noise = np.random.default_rng([trace.noise.seed, f]).standard_normal(
@@ -188,6 +211,7 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
         else:
             corrupt_entries.append([])
         for sample, noise_entries in enumerate(corrupt_entries):
+            noise_patch = Patch.of(noise_entries)
             meta = {"fact": f, "part": "corrupt", "sample": sample}
             base = run_digest(fact.corrupt, noise_entries)
             positions = range(len(fact.corrupt.token_ids))
@@ -196,29 +220,19 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
                     refs[ref_key(base, site, pos)] = (corrupt_rid(f, sample), site, pos)
             stream = {"run": base, "groups": keep_groups({site: set(positions) for site in stream_sites})} \
                 if stream_sites else None
-            requests.append(make_request(corrupt_rid(f, sample), fact.corrupt, s, patch=noise_entries, max_tokens=1,
+            requests.append(make_request(corrupt_rid(f, sample), fact.corrupt, s, patch=noise_patch, max_tokens=1,
                                          meta=meta, keep=stream))
-            requests.append(make_request(corrupt_rid(f, sample, True), fact.corrupt, s, patch=noise_entries,
+            requests.append(make_request(corrupt_rid(f, sample, True), fact.corrupt, s, patch=noise_patch,
                                          max_tokens=1, stage=1, role="baseline", meta={**meta, "in_batch": True},
                                          condition=condition))
-            for kind in trace.kinds:
-                for layer in layers:
-                    sites = layout.restore_sites(kind, layer, trace.resid_hook)
-                    for token, clean_pos in sorted(mapped.items()):
-                        restore = []
-                        for site in sites:
-                            ref = ref_key(run, site, clean_pos)
-                            refs[ref] = (clean_rid(f), site, clean_pos)
-                            restore.append((site, token, ref, 0.0, 1.0))
-                        restored = {(site, token) for site, *_ in restore}
-                        noise = [e for e in noise_entries if (e[0], e[1]) not in restored]  # a restore wins
-                        start = starts[kind, layer]
-                        requests.append(make_request(
-                            cell_rid(f, kind, layer, token, sample), fact.corrupt, s, patch=noise + restore,
-                            max_tokens=1, stage=1, role="patched", condition=condition,
-                            start=[start, base] if stream_sites and start > 0 else None,
-                            meta={"fact": f, "part": "cell", "kind": kind, "layer": layer, "token": token,
-                                  "sample": sample}))
+            refs.update(restore_refs)  # named by this sample's cells, after its stream refs
+            for (kind, layer, token), restore in restores.items():
+                start = starts[kind, layer]
+                patch = noise_patch.overlaid(restore)  # a restore wins over the noise at its (site, position)
+                requests.append(make_request(
+                    cell_rid(f, kind, layer, token, sample), fact.corrupt, s, patch=patch, max_tokens=1, stage=1,
+                    role="patched", condition=condition, start=[start, base] if stream_sites and start > 0 else None,
+                    meta={"fact": f, "part": "cell", "kind": kind, "layer": layer, "token": token, "sample": sample}))
     bank = bank_rows_for(cfg, len(sources) + len(refs))
     mark_private_kv(requests)
     return Plan(

@@ -11,61 +11,26 @@ floor).
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from .config.errors import ConfigError
-from .config.schema import CaptureSpec, RunConfig, Tiers, resolve_path
+from .config.schema import CaptureSpec, PromptRow, RunConfig, Span, Tiers, resolve_path
+from .forcing import force_generations
+from .inputs import read_rows
 from .models.facts import ModelFacts
-from .payload import DECODE, PAYLOAD_KEY, PREFILL, EngineSpec, digest, pack_positions, vector_key
+from .payload import DECODE, PREFILL, EngineSpec, pack_positions, vector_key
+from .request_build import (
+    EngineRequest, Patch, Prompt, engine_spec_of, make_request, mark_private_kv, requests_hash,
+)
+from .selectors import distinct_positions, parse_layers, parse_prompts  # noqa: F401  (re-exported)
 from .sites import site_id
 from .vectors import load_vector
 
 TIER_PHASES = {"base": PREFILL | DECODE, "prefill": PREFILL, "decode": DECODE}
-
-
-@dataclass(frozen=True)
-class Prompt:
-    index: int
-    id: str
-    text: str
-    token_ids: tuple[int, ...]
-    answer_ids: tuple[int, ...] = ()  # scored token ids: (answer[, foil])
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    rid: str
-    prompt: Prompt
-    sampling: dict  # SamplingParams keyword arguments, payload included
-    stage: int = 0
-    role: str = "prompt"  # prompt | patched | baseline (an unpatched destination beside patched ones)
-    meta: dict = field(default_factory=dict)  # what the request stands for in its experiment
-    condition: str | None = None  # run only if this request's top token is its answer (ROME's filter)
-
-    @property
-    def payload(self) -> dict | None:
-        extra = self.sampling.get("extra_args")
-        return extra.get(PAYLOAD_KEY) if extra else None
-
-    @property
-    def kv_ranges(self) -> list:
-        return (self.payload or {}).get("kv", [])
-
-    def sampling_params(self):
-        from vllm import SamplingParams
-
-        return SamplingParams(**self.sampling)
-
-    def engine_prompt(self) -> dict:
-        return {"prompt_token_ids": list(self.prompt.token_ids)}
 
 
 @dataclass(frozen=True)
@@ -96,71 +61,30 @@ class Plan:
         return 1 + max((r.stage for r in self.requests), default=0)
 
 
-def parse_layers(selector, num_layers: int, where: str) -> list[int]:
-    if isinstance(selector, str):
-        if selector == "all":
-            return list(range(num_layers))
-        try:
-            start, stop = (int(s) if s else None for s in selector.split(":"))
-        except ValueError:
-            raise ConfigError.at(where, f"{selector!r} is not a layer selector (an int, a list, 'all' or 'a:b')")
-        layers = list(range(num_layers))[slice(start, stop)]
-        if not layers:
-            raise ConfigError.at(where, f"{selector!r} selects no layer, model has {num_layers} layers")
-        return layers
-    layers = [selector] if isinstance(selector, int) else list(selector)
-    if len(set(layers)) != len(layers):
-        raise ConfigError.at(where, f"layers repeat: {layers}")
-    for i, layer in enumerate(layers):
-        if not 0 <= layer < num_layers:
-            sub = where if isinstance(selector, int) else f"{where}[{i}]"
-            raise ConfigError.at(sub, f"{layer} out of range, model has {num_layers} layers")
-    return layers
-
-
-def parse_prompts(selector, num_prompts: int, where: str) -> list[int]:
-    if selector == "all":
-        return list(range(num_prompts))
-    indices = [selector] if isinstance(selector, int) else list(selector)
-    for i, index in enumerate(indices):
-        if not 0 <= index < num_prompts:
-            sub = where if isinstance(selector, int) else f"{where}[{i}]"
-            raise ConfigError.at(sub, f"prompt {index} out of range, there are {num_prompts} prompts")
-    return indices
-
-
 def load_prompts(cfg: RunConfig, tokenize: Callable[[str], Sequence[int]], base: Path | None) -> list[Prompt]:
     if cfg.prompts.file is not None:
-        path = resolve_path(cfg.prompts.file, base)
-        if not path.exists():
-            raise ConfigError.at("prompts.file", f"prompt file not found: {path}")
-        items = []
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                items.append((row.get("id"), row.get("text", row.get("prompt")), row.get("answer"), row.get("foil")))
-            except (json.JSONDecodeError, AttributeError):
-                raise ConfigError.at("prompts.file", f"{path}:{n} is not a JSON object")
-            if not isinstance(items[-1][1], str) or not items[-1][1]:
-                raise ConfigError.at("prompts.file", f"{path}:{n} has no non-empty 'text' (or 'prompt')")
+        items = read_rows(resolve_path(cfg.prompts.file, base), "prompts.file", PromptRow)
+        where = "prompts.file"
     else:
-        items = [(None, p, None, None) if isinstance(p, str) else (p.id, p.text, p.answer, p.foil)
-                 for p in cfg.prompts.items]
+        items = [PromptRow(text=p) if isinstance(p, str) else p for p in cfg.prompts.items]
+        where = "prompts.items"
     if not items:
         raise ConfigError.at("prompts", "empty prompt list")
-    prompts = []
-    for i, (pid, text, answer, foil) in enumerate(items):
-        where = f"prompts.items[{i}]" if cfg.prompts.file is None else f"prompts.file[{i}]"
-        ids = tuple(int(t) for t in tokenize(text))
-        if not ids:
-            raise ConfigError.at(where, "prompt tokenizes to nothing")
+    prompts: list[Prompt] = []
+    index_of: dict[str, int] = {}
+    for i, item in enumerate(items):
+        pid = item.id or f"p{i}"
+        if pid in index_of:
+            raise ConfigError.at(f"{where}[{i}].id", f"id {pid!r} is prompt {index_of[pid]}'s already")
+        index_of[pid] = i
+        token_ids = tuple(int(t) for t in tokenize(item.text))
+        if not token_ids:
+            raise ConfigError.at(f"{where}[{i}]", "prompt tokenizes to nothing")
         scored = tuple(
-            answer_token(tokenize, text_, f"{where}.{key}", cfg.scoring.first_token)
-            for key, text_ in (("answer", answer), ("foil", foil)) if text_ is not None
+            answer_token(tokenize, text, f"{where}[{i}].{key}", cfg.scoring.first_token)
+            for key, text in (("answer", item.answer), ("foil", item.foil)) if text is not None
         )
-        prompts.append(Prompt(index=i, id=pid or f"p{i}", text=text, token_ids=ids, answer_ids=scored))
+        prompts.append(Prompt(index=i, id=pid, text=item.text, token_ids=token_ids, answer_ids=scored))
     return prompts
 
 
@@ -186,15 +110,7 @@ def _capture_positions(spec: CaptureSpec, prompt: Prompt, where: str) -> tuple[l
         return [], True
     if spec.positions == "all":
         return list(range(n)), True
-    out = []
-    for i, pos in enumerate(spec.positions):
-        if not -n <= pos < n:
-            raise ConfigError.at(
-                f"{where}.positions[{i}]",
-                f"position {pos} is beyond prompt {prompt.index} ({prompt.id!r}), which has {n} tokens",
-            )
-        out.append(pos % n)
-    return sorted(set(out)), False
+    return distinct_positions(spec.positions, prompt, where + ".positions"), False
 
 
 def prompt_rid(index: int) -> str:
@@ -211,6 +127,9 @@ def compile_steering(cfg: RunConfig, prompts: list[Prompt], facts: ModelFacts, n
             for hook, i, term in getattr(tiers, tier_name).terms():
                 path = f"{where}.{tier_name}.{hook}" + ("" if i is None else f"[{i}]")
                 vec = load_vector(term.vector, path + ".vector", facts.hidden_size, named, base)
+                with np.errstate(over="ignore"):
+                    if not np.isfinite(vec * np.float32(term.scale)).all():
+                        raise ConfigError.at(path + ".scale", f"{term.scale} times the vector leaves float32's range")
                 key = vector_key(vec)
                 vectors[key] = vec
                 for layer in parse_layers(term.layer, facts.num_layers, path + ".layer"):
@@ -241,112 +160,6 @@ def compile_capture(cfg: RunConfig, prompts: list[Prompt], facts: ModelFacts):
     return capture, layouts
 
 
-def kv_ranges(steer: list, patch: list, prompt_len: int) -> list:
-    """What changes the KV of which positions (see ``interp_runner.plugin.prefix_cache``)."""
-    ranges = []
-    for phase, start, end in ((PREFILL, 0, prompt_len), (DECODE, prompt_len, -1)):
-        terms = sorted([site, key, scale] for site, phases, key, scale in steer if phases & phase)
-        if terms:
-            ranges.append([start, end, digest(terms)])
-    at: dict[int, list] = {}
-    for site, position, key, a, b in patch:
-        at.setdefault(int(position), []).append((int(site), key, float(a), float(b)))
-    ranges += [[p, p + 1, _entries_digest(tuple(sorted(entries)))] for p, entries in sorted(at.items())]
-    return ranges
-
-
-def mark_private_kv(requests: Sequence[EngineRequest]) -> None:
-    """Set each request's ``kv_private``: the first position from which its KV hashes chain in interventions no
-    other request of the plan has (a causal-trace cell's restore under its own noise sample, say). Blocks from
-    there on cannot be shared within the plan; the plugin neither hashes nor caches them."""
-    def prefixes(r):  # the interventions a block hash has chained in by each range's start
-        ranges = sorted(tuple(x) for x in r.kv_ranges)
-        return [(ranges[k][0], tuple(ranges[: k + 1])) for k in range(len(ranges))]
-
-    chains = [prefixes(r) for r in requests]
-    counts = Counter(chain for per_request in chains for _, chain in per_request)
-    for r, per_request in zip(requests, chains):
-        unique = [start for start, chain in per_request if counts[chain] == 1]
-        if unique:
-            r.payload["kv_private"] = min(unique)
-
-
-@lru_cache(maxsize=1 << 16)
-def _entries_digest(entries: tuple) -> str:
-    """``digest`` of one position's patch entries (JSON makes tuples lists): the noise entries of a causal trace
-    recur in every cell of their sample."""
-    return digest(entries)
-
-
-def make_request(
-    rid: str,
-    prompt: Prompt,
-    s,
-    steer: list = (),
-    capture: list = (),
-    patch: list = (),
-    stage: int = 0,
-    role: str = "prompt",
-    meta: dict | None = None,
-    condition: str | None = None,
-    max_tokens: int | None = None,
-    keep: dict | None = None,
-    start: list | None = None,
-) -> EngineRequest:
-    """One engine request; ``patch`` entries are (site, position, source key, a, b); ``keep``: values the workers
-    keep as patch sources; ``start``: [layer, run] below which it computes what ``run`` does
-    (``interp_runner.payload``)."""
-    payload: dict = {"rid": rid}
-    if start is not None:
-        payload["start"] = list(start)
-    if steer:
-        payload["steer"] = list(steer)
-    if capture:
-        payload["capture"] = list(capture)
-    if keep:
-        payload["keep"] = keep
-    if patch:
-        sites, positions, keys, a, b = zip(*patch)
-        payload["patch"] = {
-            "site": pack_positions(sites), "pos": pack_positions(positions), "src": list(keys),
-            "a": np.asarray(a, dtype=np.float32).tobytes(), "b": np.asarray(b, dtype=np.float32).tobytes(),
-        }
-    if prompt.answer_ids:
-        payload["score"] = pack_positions(prompt.answer_ids)
-    ranges = kv_ranges(list(steer), list(patch), len(prompt.token_ids))
-    if ranges:
-        payload["kv"] = ranges
-    # a captured (or kept) prompt position other than the last would be skipped by a prefix-cache hit
-    read = [positions for _, positions, _ in capture] + [positions for _, positions in (keep or {}).get("groups", ())]
-    reads_prompt = any(
-        np.frombuffer(positions, dtype=np.int32).min(initial=len(prompt.token_ids)) < len(prompt.token_ids) - 1
-        for positions in read
-    )
-    sampling = dict(
-        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        seed=s.seed + prompt.index,
-        logprobs=s.logprobs if s.logprobs is not None else 0,
-        extra_args={PAYLOAD_KEY: payload} if len(payload) > 1 else None,
-        skip_reading_prefix_cache=True if reads_prompt else None,
-    )
-    return EngineRequest(rid=rid, prompt=prompt, sampling=sampling, stage=stage, role=role, meta=meta or {},
-                         condition=condition)
-
-
-def engine_spec_of(requests: Sequence[EngineRequest], bank_rows: int) -> EngineSpec:
-    steer, capture, patch = set(), set(), set()
-    for r in requests:
-        p = r.payload or {}
-        steer.update(e[0] for e in p.get("steer", ()))
-        capture.update(s for e in p.get("capture", ()) for s in e[0])
-        capture.update(s for e in (p.get("keep") or {}).get("groups", ()) for s in e[0])  # kept through captures
-        if "patch" in p:
-            patch.update(np.frombuffer(p["patch"]["site"], dtype=np.int32).tolist())
-    return EngineSpec(tuple(sorted(steer)), tuple(sorted(capture)), tuple(sorted(patch)), bank_rows)
-
-
 def bank_rows_for(cfg: RunConfig, needed: int) -> int:
     if cfg.engine.patch_bank_rows is None:
         return needed
@@ -354,6 +167,28 @@ def bank_rows_for(cfg: RunConfig, needed: int) -> int:
         raise ConfigError.at("engine.patch_bank_rows",
                              f"{cfg.engine.patch_bank_rows} is too small: the plan keeps {needed} patch sources")
     return cfg.engine.patch_bank_rows
+
+
+def check_vocabulary(prompts: Sequence[Prompt], vocab_size: int, where: str) -> None:
+    """Every token id within the model's embedding table (a tokenizer that is not the weights' fails in vLLM)."""
+    for p in prompts:
+        beyond = [t for t in p.token_ids + p.answer_ids if not 0 <= t < vocab_size]
+        if beyond:
+            raise ConfigError.at(f"{where}[{p.index}]", f"token id {beyond[0]} is beyond the model's vocabulary "
+                                                        f"({vocab_size} tokens): its tokenizer is not its weights'")
+
+
+def check_chat_template(cfg: RunConfig) -> None:
+    """Character spans (span positions, causal-trace subjects) need prompts that are the text as written."""
+    if not cfg.prompts.chat_template:
+        return
+    if cfg.causal_trace is not None:
+        raise ConfigError.at("prompts.chat_template", "causal tracing finds each subject by its characters in the "
+                                                      "prompt: it needs prompts without a chat template")
+    for i, spec in enumerate(cfg.patching):
+        if isinstance(spec.positions, Span):
+            raise ConfigError.at(f"patching[{i}].positions.span", "span positions need prompts without a chat "
+                                                                  "template (prompts.chat_template: true)")
 
 
 def check_length(cfg: RunConfig, prompts: Sequence[Prompt], max_tokens: int) -> None:
@@ -374,13 +209,18 @@ def compile_plan(
 ) -> Plan:
     """Validate ``cfg`` against the model and turn it into engine requests. ``embeddings(ids)`` gives token
     embedding rows (causal tracing's noise scale)."""
+    check_chat_template(cfg)
     if cfg.causal_trace is not None:
         from .causal_trace import compile_trace
+
+        if cfg.sampling.teacher_forcing is not None:
+            raise ConfigError.at("sampling.teacher_forcing", "a causal trace generates no text to force")
 
         return compile_trace(cfg, facts, tokenize, base, embeddings)
     from .patching import compile_patching
 
     prompts = load_prompts(cfg, tokenize, base)
+    check_vocabulary(prompts, facts.vocab_size, "prompts.file" if cfg.prompts.file else "prompts.items")
     check_length(cfg, prompts, cfg.sampling.max_tokens)
     named = {
         name: load_vector(spec, f"vectors.{name}", facts.hidden_size, {}, base)
@@ -395,8 +235,10 @@ def compile_plan(
     for copy in patching.copies:
         prompt = prompts[copy.prompt]
         rid = f"{prompt_rid(prompt.index)}-{copy.role[0]}{copy.spec:03d}"
-        requests.append(make_request(rid, prompt, s, steer[prompt.index], (), copy.entries, stage=1,
+        requests.append(make_request(rid, prompt, s, steer[prompt.index], (), Patch.of(copy.entries), stage=1,
                                      role=copy.role, meta={"patch": copy.spec, "source": copy.source}))
+    if s.teacher_forcing is not None:
+        force_generations(requests, resolve_path(s.teacher_forcing, base))
     bank = bank_rows_for(cfg, len(patching.sources) + len(patching.refs))
     mark_private_kv(requests)
     return Plan(
@@ -410,24 +252,3 @@ def compile_plan(
         skipped=tuple(patching.skipped),
     )
 
-
-def requests_hash(requests: Sequence[EngineRequest]) -> str:
-    def default(obj):
-        if isinstance(obj, bytes):
-            return obj.hex()
-        raise TypeError(type(obj))
-
-    # the hash of the JSON list of every request (keys sorted, no spaces), fed one request at a time; a prompt's
-    # tokens are encoded once for all the requests that share it
-    encode = json.JSONEncoder(sort_keys=True, default=default, separators=(",", ":")).encode
-    tokens: dict[int, str] = {}
-    h = hashlib.sha256(b"[")
-    for i, r in enumerate(requests):
-        key = id(r.prompt.token_ids)
-        if key not in tokens:
-            tokens[key] = encode(list(r.prompt.token_ids))
-        item = (f'{{"condition":{encode(r.condition)},"rid":{encode(r.rid)},"sampling":{encode(r.sampling)},'
-                f'"stage":{encode(r.stage)},"tokens":{tokens[key]}}}')
-        h.update((b"," if i else b"") + item.encode())
-    h.update(b"]")
-    return h.hexdigest()

@@ -17,6 +17,7 @@ import numpy as np
 from .config.errors import ConfigError
 from .config.schema import Span
 from .payload import digest, pack_positions, ref_key, vector_key
+from .selectors import distinct_positions
 from .sites import site_id
 from .vectors import load_vector
 
@@ -60,12 +61,7 @@ def resolve_positions(selector, prompt, tokenizer, where: str) -> list[int]:
             raise ConfigError.at(where + ".span", f"{selector.span!r} (occurrence {selector.occurrence}) is not in "
                                                   f"prompt {prompt.index} ({prompt.text!r})")
         return positions
-    out = []
-    for i, pos in enumerate(selector):
-        if not -n <= pos < n:
-            raise ConfigError.at(f"{where}[{i}]", f"position {pos} is beyond prompt {prompt.index}, which has {n} tokens")
-        out.append(pos % n)
-    return sorted(set(out))
+    return distinct_positions(selector, prompt, where)
 
 
 def align(source_ids, dest_ids, positions) -> tuple[list[tuple[int, int]], list[int]]:
