@@ -1,4 +1,6 @@
-"""``interp-run``: Hydra composes the config; the pipeline does the rest. The only module that imports Hydra.
+"""``interp-run``: Hydra composes the config; the pipeline does the rest. With ``cli_errors``, which explains
+Hydra's own errors, the only module that imports Hydra. Every bad config exits 2 naming the key, Hydra's errors
+(an unknown experiment, key or option, an override that does not parse) included.
 
 Multirun (``-m``) jobs that Hydra runs in this process share one engine pool: the engine is rebuilt only when the
 model or engine settings change. Each job's store is listed in the sweep folder's index (``interp_runner.sweep``).
@@ -6,14 +8,18 @@ model or engine settings change. Each job's store is listed in the sweep folder'
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import hydra
+from hydra._internal.utils import run_and_report
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from .cli_errors import COMMAND_LINE_ERRORS, explain
 from .config import ConfigError
 from .config.errors import EXIT_CODE
 
@@ -39,16 +45,15 @@ def _main(cfg: DictConfig) -> None:
     from .pipeline import run
 
     hydra_cfg = HydraConfig.get()
-    config = OmegaConf.to_container(cfg, resolve=True)
-    overrides = list(hydra_cfg.overrides.task)
+    overrides = OmegaConf.to_container(hydra_cfg.overrides.task)  # as typed: "${...}" in one stays unresolved
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     store, status = None, "failed"
     try:
+        config = resolved(cfg)
         store = run(config, Path(hydra_cfg.runtime.output_dir), overrides=overrides, engines=_engine_pool())
         status = "complete" if store is not None else "dry_run"
     except ConfigError as err:
-        for path, reason in err.problems:
-            print(f"config error: {path}: {reason}", file=sys.stderr)
+        report(err.problems)
         if not multirun:
             sys.exit(EXIT_CODE)
         status = "config_error"
@@ -65,5 +70,40 @@ def _main(cfg: DictConfig) -> None:
         raise SystemExit(EXIT_CODE)
 
 
+def resolved(cfg: DictConfig) -> dict:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:  # an interpolation that does not resolve
+        raise ConfigError.at(err.full_key or "<config>", str(err).splitlines()[0]) from None
+
+
+def report(problems: list[tuple[str, str]]) -> None:
+    for path, reason in problems:
+        print(f"config error: {path}: {reason}", file=sys.stderr)
+
+
+def _reraise(err: BaseException) -> None:
+    """Raise ``err`` again from its frames below Hydra's ``run_job``, where Hydra's short report starts."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name != "run_job":
+        tb = tb.tb_next
+    raise err.with_traceback(tb or err.__traceback__)
+
+
 def main() -> None:
-    _main()
+    hydra_reports = "HYDRA_FULL_ERROR" not in os.environ
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors instead of printing them and exiting 1
+    try:
+        _main()
+    except COMMAND_LINE_ERRORS as err:
+        report(explain(err, sys.argv[1:], CONF_DIR, "config"))
+        sys.exit(EXIT_CODE)
+    except Exception as err:
+        if hydra_reports:  # any other error as Hydra reports it: short, exit 1
+            del os.environ["HYDRA_FULL_ERROR"]
+            run_and_report(lambda: _reraise(err))
+        raise
+
+
+if __name__ == "__main__":
+    main()

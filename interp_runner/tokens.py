@@ -5,12 +5,37 @@ from __future__ import annotations
 from pathlib import Path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class TokenizerError(ValueError):
+    """The model folder's tokenizer cannot serve the config; ``key``: the config key at fault, if not the model."""
+
+    def __init__(self, reason: str, key: str | None = None):
+        super().__init__(reason)
+        self.key = key
+
+
 class TextTokenizer:
     def __init__(self, folder: Path, chat_template: bool = False):
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(str(folder))
+        if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+            raise TokenizerError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(folder))
+        except Exception as err:  # transformers raises many kinds for a missing or damaged tokenizer
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise TokenizerError(f"no usable tokenizer in {folder}: {reason}") from None
         self.chat_template = chat_template
+        if chat_template:
+            if not getattr(self.hf, "chat_template", None):
+                raise TokenizerError(f"the tokenizer in {folder} has no chat template", key="prompts.chat_template")
+            try:
+                self("x")
+            except Exception as err:  # a template that does not render fails for every prompt
+                raise TokenizerError(f"the chat template in {folder} does not render: {err}",
+                                     key="prompts.chat_template") from None
 
     def __call__(self, text: str) -> list[int]:
         """The prompt's token ids as the engine sees them."""

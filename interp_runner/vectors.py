@@ -18,6 +18,8 @@ def random_direction(seed: int, norm: float, size: int) -> np.ndarray:
 def _load_file(path: Path, key: str | None, where: str) -> np.ndarray:
     if not path.exists():
         raise ConfigError.at(where + ".file", f"vector file not found: {path}")
+    if not path.is_file():
+        raise ConfigError.at(where + ".file", f"{path} is a folder, not a file")
     suffix = path.suffix
     if suffix == ".npy":
         try:
@@ -42,7 +44,9 @@ def _load_file(path: Path, key: str | None, where: str) -> np.ndarray:
         obj = _pick(obj, key, path, where)
     if not isinstance(obj, torch.Tensor):
         raise ConfigError.at(where + ".file", f"{path} holds a {type(obj).__name__}, not a tensor")
-    return obj.detach().float().numpy()
+    if not obj.is_floating_point():
+        raise ConfigError.at(where, f"vector has dtype {str(obj.dtype).removeprefix('torch.')}, not a float dtype")
+    return obj.detach().double().numpy()  # float64 holds every float dtype exactly
 
 
 def _pick(tensors: dict, key: str | None, path: Path, where: str):
@@ -72,9 +76,16 @@ def load_vector(
     vec = np.asarray(vec)
     if not np.issubdtype(vec.dtype, np.number):
         raise ConfigError.at(where, f"vector has non-numeric dtype {vec.dtype}")
+    if not np.issubdtype(vec.dtype, np.floating):  # ints, bools and complex numbers would be converted
+        raise ConfigError.at(where, f"vector has dtype {vec.dtype}, not a float dtype")
     vec = vec.astype(np.float64).squeeze()
     if vec.shape != (hidden_size,):
         raise ConfigError.at(where, f"vector has shape {list(vec.shape)}, model hidden size is {hidden_size}")
     if not np.isfinite(vec).all():
         raise ConfigError.at(where, "vector contains NaN or inf")
-    return vec.astype(np.float32)
+    with np.errstate(over="ignore"):
+        out = vec.astype(np.float32)
+    if not np.isfinite(out).all():
+        raise ConfigError.at(where, f"vector holds {np.abs(vec).max():.3g}, beyond float32's range (about "
+                                    "±3.4e38): the engine computes in float32")
+    return out

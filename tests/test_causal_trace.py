@@ -330,7 +330,7 @@ def test_facts_the_model_gets_wrong_are_filtered_and_listed(tiny_engine):
 def test_counterfactual_cells_restore_aligned_positions_only(tmp_path):
     fact = {"id": "eiffel", "subject": "The Eiffel Tower", "prompt": "The Eiffel Tower is located in the city of",
             "answer": " Paris", "corrupt_prompt": "The Great Wall is located in the city of"}  # 10 vs 9 tokens
-    plan = prepare(trace_config(corruption="counterfactual", layers=[2], kinds=["resid"],
+    plan = prepare(trace_config(corruption="counterfactual", layers=[2], kinds=["resid"], num_facts=1,
                                 facts=write_facts(tmp_path, [fact]))).plan
     (f,) = plan.trace.facts
     assert f.skipped == (1, 2) and f.corrupt_subject == (1, 2) and plan.skipped == ({"fact": 0, "positions": [1, 2]},)
@@ -358,7 +358,7 @@ def test_cells_pack_into_block_aligned_segments_after_their_shared_prefix(tmp_pa
     from interp_runner.packing import pack_requests
 
     plan = prepare(trace_config("tiny_random", kinds=["resid"], layers=[1], noise={"samples": 1}, filter=False,
-                                facts=long_fact(tmp_path, 18))).plan
+                                num_facts=1, facts=long_fact(tmp_path, 18))).plan
     n = len(plan.trace.facts[0].corrupt.token_ids)
     assert n > 130
     packed, single = pack_requests(plan.requests, block_size=32, max_tokens=1023)
@@ -395,7 +395,7 @@ def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path, monkeypatch)
     scores the same cells give as requests of their own; also when the first step starts before every packed
     request is submitted (as where vLLM queues steps: GPUs)."""
     config = trace_config("tiny_random", kinds=["resid", "mlp"], layers=[0, 3], window=2, noise={"samples": 2},
-                          filter=False, facts=long_fact(tmp_path, 34))
+                          filter=False, num_facts=1, facts=long_fact(tmp_path, 34))
     config["engine"].update(max_model_len=1024, cell_entry_stride=1)  # as the engine has; every entry layer
     from interp_runner.plugin import skipping
 

@@ -204,7 +204,13 @@ def test_layer_in_a_term_list_out_of_range():
 
 
 def test_layer_range_selecting_nothing():
-    assert_problem(steer_global(V, layer="5:9"), "steering.global.base.post_block.layer", "selects no layer")
+    assert_problem(steer_global(V, layer="3:2"), "steering.global.base.post_block.layer", "selects no layer")
+
+
+@pytest.mark.parametrize("selector", ["5:9", "2:99", "4:", "2:5"])
+def test_layer_range_past_the_model_is_refused_not_clamped(selector):
+    assert_problem(steer_global(V, layer=selector), "steering.global.base.post_block.layer",
+                   "out of range, model has 4 layers")
 
 
 def test_layer_selector_garbage():
@@ -219,7 +225,7 @@ def test_capture_layers_out_of_range():
     assert_problem(base_config(capture=[{"hooks": ["post_block"], "layers": [0, 1, 7]}]), "capture[0].layers[2]",
                    "7 out of range, model has 4 layers")
     assert_problem(base_config(capture=[{"hooks": ["post_block"], "layers": "6:"}]), "capture[0].layers",
-                   "selects no layer")
+                   "out of range, model has 4 layers")
 
 
 @pytest.mark.parametrize(
@@ -254,7 +260,7 @@ def test_vector_length_in_second_term_of_a_list():
 def test_non_finite_inline_vector(bad):
     values = list(V)
     values[7] = bad
-    assert_problem(steer_global(values), VEC, "NaN or inf")
+    assert_problem(steer_global(values), VEC + ".values[7]", "finite number")
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
@@ -372,20 +378,23 @@ def test_empty_prompt_file(tmp_path):
 
 def test_prompt_file_missing(tmp_path):
     assert_problem(base_config(prompts={"file": "missing.jsonl"}), "prompts.file",
-                   f"prompt file not found: {tmp_path / 'missing.jsonl'}", base=tmp_path)
+                   f"file not found: {tmp_path / 'missing.jsonl'}", base=tmp_path)
 
 
 def test_prompt_file_bad_lines(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"text": "hello"}\nnot json\n')
-    assert_problem(base_config(prompts={"file": "p.jsonl"}), "prompts.file", "p.jsonl:2 is not a JSON object",
+    assert_problem(base_config(prompts={"file": "p.jsonl"}), "prompts.file", "p.jsonl:2 is not valid JSON",
                    base=tmp_path)
     (tmp_path / "q.jsonl").write_text('{"text": "hello"}\n{"id": "x"}\n')
-    assert_problem(base_config(prompts={"file": "q.jsonl"}), "prompts.file", "q.jsonl:2 has no non-empty 'text'",
+    assert_problem(base_config(prompts={"file": "q.jsonl"}), "prompts.file[1].text",
+                   "q.jsonl:2: required key is missing", base=tmp_path)
+    (tmp_path / "r.jsonl").write_text('{"text": "hello"}\n["hello"]\n')
+    assert_problem(base_config(prompts={"file": "r.jsonl"}), "prompts.file", "r.jsonl:2 is not a JSON object",
                    base=tmp_path)
 
 
-def test_prompt_that_tokenizes_to_nothing():
-    assert_problem(base_config(prompts={"items": ["ok", ""]}), "prompts.items[1]", "tokenizes to nothing")
+def test_empty_prompt_text_in_a_list():
+    assert_problem(base_config(prompts={"items": ["ok", ""]}), "prompts.items[1]", "at least 1 character")
 
 
 def test_capture_position_beyond_the_prompt():

@@ -154,8 +154,8 @@ def test_a_request_whose_source_is_missing_is_voided(tiny_engine):
         def __getattr__(self, name):
             return getattr(tiny_engine, name)
 
-        def run(self, requests, vectors=None, use_tqdm=True):
-            out = tiny_engine.run(requests, vectors, use_tqdm)
+        def run(self, requests, vectors=None, use_tqdm=True, progress=None):
+            out = tiny_engine.run(requests, vectors, use_tqdm, progress)
             tiny_engine.release_sources(list(plan.refs))
             return out
 

@@ -35,28 +35,32 @@ def key_path(loc: tuple) -> str:
 
 # pydantic tags union members and wrappers with names that are not config keys
 _NOT_KEYS = ("SteerTerm", "list[SteerTerm]", "function-after", "function-before", "str", "int",
-             "list[int]", "literal[", "PromptItem", "tagged-union")
+             "list[int]", "literal[", "PromptItem", "tagged-union", "constrained-")
 
 
 def _clean_loc(loc: tuple) -> tuple:
     return tuple(p for p in loc if not (isinstance(p, str) and p.startswith(_NOT_KEYS)))
 
 
+def problems_of(err: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+    """pydantic's errors as (key path, reason), the key paths below ``prefix``."""
+    problems: dict[str, str] = {}
+    for e in err.errors():
+        path = key_path(((prefix,) if prefix else ()) + _clean_loc(e["loc"])) or "<root>"
+        reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        if e["type"] == "missing":
+            reason = "required key is missing"
+        problems.setdefault(path, reason)  # union branches repeat a path; the first reason is enough
+    # a union reports a mismatch at the parent for each branch it ruled out: keep the deepest reasons
+    return [
+        (path, reason)
+        for path, reason in sorted(problems.items())
+        if not any(other != path and other.startswith((path + ".", path + "[")) for other in problems)
+    ]
+
+
 def validate_config(data: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        problems: dict[str, str] = {}
-        for e in err.errors():
-            path = key_path(_clean_loc(e["loc"])) or "<root>"
-            reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
-            if e["type"] == "missing":
-                reason = "required key is missing"
-            problems.setdefault(path, reason)  # union branches repeat a path; the first reason is enough
-        # a union reports a mismatch at the parent for each branch it ruled out: keep the deepest reasons
-        deepest = [
-            (path, reason)
-            for path, reason in sorted(problems.items())
-            if not any(other != path and other.startswith((path + ".", path + "[")) for other in problems)
-        ]
-        raise ConfigError(deepest) from None
+        raise ConfigError(problems_of(err)) from None

@@ -1,7 +1,9 @@
 """The run configuration as the user writes it (after Hydra composition), validated by pydantic.
 
 Checks that need the model (layer ranges, hidden size, prompt lengths) live in the compiler; everything here is
-about the shape of the config itself. All models are frozen and refuse unknown keys.
+about the shape of the config itself. All models are frozen, refuse unknown keys and convert nothing: a "3" is no
+int, a 1.5 no int, a true no number. Every float must be finite, and those the engine computes with must stay
+finite (and, where they must be positive, nonzero) as float32.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
+import numpy as np
 from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator,
 )
@@ -20,6 +23,7 @@ LayerSelector = Union[StrictInt, IndexList, str]
 # a prompt selector: 0, [0, 2], "all"
 PromptSelector = Union[StrictInt, IndexList, Literal["all"]]
 VECTOR_SUFFIXES = (".npy", ".safetensors", ".pt", ".pth")
+STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _distinct(values: list, info: ValidationInfo) -> list:
@@ -28,20 +32,39 @@ def _distinct(values: list, info: ValidationInfo) -> list:
     return values
 
 
+def _finite_float32(value: float) -> float:
+    with np.errstate(over="ignore"):
+        if not np.isfinite(np.float32(value)):
+            raise ValueError(f"{value} is beyond float32's range (about ±3.4e38): the engine computes in float32")
+    return value
+
+
+def _nonzero_float32(value: float) -> float:
+    if value != 0 and np.float32(value) == 0:
+        raise ValueError(f"{value} rounds to 0 as float32, the precision the engine computes in")
+    return value
+
+
+Float32 = Annotated[float, AfterValidator(_finite_float32), AfterValidator(_nonzero_float32)]
+PositiveFloat32 = Annotated[float, Field(gt=0), AfterValidator(_finite_float32), AfterValidator(_nonzero_float32)]
+# numpy's and vLLM's generators take seeds in [0, 2**32) (vLLM reads a request seed of -1 as "unseeded")
+Seed = Annotated[int, Field(ge=0, lt=2**32)]
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
 
 class RandomDirection(Strict):
-    seed: int = 0
-    norm: float = Field(1.0, gt=0)
+    seed: Seed = 0
+    norm: PositiveFloat32 = 1.0
 
 
 class VectorSpec(Strict):
     """Exactly one source: inline values, a file (.npy/.safetensors/.pt, ``key`` picks a tensor), a named
     vector declared under ``vectors:``, or a seeded random direction."""
 
-    values: list[float] | None = None
+    values: list[Float32] | None = None
     file: str | None = None
     key: str | None = None
     name: str | None = None
@@ -63,13 +86,15 @@ class VectorSpec(Strict):
             raise ValueError(f"give exactly one of values, file, name, random (got {given or 'none'})")
         if self.key is not None and (self.file is None or self.file.endswith(".npy")):
             raise ValueError("'key' only applies to a .safetensors or .pt file")
+        if self.file is not None and not self.file.endswith(VECTOR_SUFFIXES):
+            raise ValueError(f"{self.file!r}: a vector file is one of {', '.join(VECTOR_SUFFIXES)}")
         return self
 
 
 class SteerTerm(Strict):
     layer: LayerSelector
     vector: VectorSpec
-    scale: float = 1.0
+    scale: Float32 = 1.0
 
 
 Terms = Union[SteerTerm, list[SteerTerm]]
@@ -107,7 +132,7 @@ class RequestSteering(Tiers):
 
 
 class Steering(Strict):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(**STRICT, populate_by_name=True)
 
     global_: Tiers = Field(Tiers(), alias="global")
     request: list[RequestSteering] = []
@@ -127,7 +152,7 @@ class CaptureSpec(Strict):
 
 class PromptItem(Strict):
     text: str = Field(min_length=1)
-    id: str | None = None
+    id: str | None = Field(None, min_length=1)
     answer: str | None = None  # scored: its exact log-probability after the prompt
     foil: str | None = None  # scored beside the answer (logit difference)
 
@@ -138,8 +163,36 @@ class PromptItem(Strict):
         return self
 
 
+class PromptRow(PromptItem):
+    """A line of a prompt file: a prompt item whose text may be given as ``prompt``; other keys are metadata."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_is_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "prompt" in data:
+            if "text" in data:
+                raise ValueError("give 'text' or 'prompt', not both")
+            data = {("text" if k == "prompt" else k): v for k, v in data.items()}
+        return data
+
+
+class FactRow(BaseModel):
+    """A line of a causal-trace facts file; other keys (``relation``, ...) are metadata."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    id: str | None = Field(None, min_length=1)
+    subject: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    answer: str = Field(min_length=1)
+    foil: str | None = Field(None, min_length=1)
+    corrupt_prompt: str | None = Field(None, min_length=1)
+
+
 class Prompts(Strict):
-    items: list[Union[str, PromptItem]] = []
+    items: list[Union[Annotated[str, Field(min_length=1)], PromptItem]] = []
     file: str | None = None  # JSONL, one {"text": ..., "id": ...} (or {"prompt": ...}) a line
     chat_template: bool = False
 
@@ -188,9 +241,9 @@ class Scoring(Strict):
 
 
 class Noise(Strict):
-    k: float = Field(3.0, gt=0)  # std = k * std of the subjects' token embeddings
+    k: PositiveFloat32 = 3.0  # std = k * std of the subjects' token embeddings
     samples: int = Field(3, ge=1)
-    seed: int = 0
+    seed: Seed = 0
 
 
 class CausalTrace(Strict):
@@ -210,16 +263,22 @@ class CausalTrace(Strict):
 
 
 class Sampling(Strict):
+    """vLLM's own ranges (``SamplingParams._verify_args``; ``ModelConfig.max_logprobs`` defaults to 20)."""
+
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = 0
+    temperature: float = Field(0.0, ge=0, le=2)
+    top_p: Annotated[float, Field(gt=0, le=1), AfterValidator(_nonzero_float32)] = 1.0
+    seed: Seed = 0  # prompt i is sampled with seed + i
     logprobs: int | None = Field(None, ge=0, le=20)
+    # a store whose requests' generated tokens each request of this run generates instead (same request ids and
+    # prompts): log-probabilities, top-k and captures are then this run's for those tokens
+    teacher_forcing: str | None = None
 
 
 class EngineConfig(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    enforce_eager: bool = False
+    # null: torch.compile + CUDA graphs on a GPU for plans that generate text, eager otherwise (``resolved``)
+    enforce_eager: bool | None = None
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=16)
@@ -228,7 +287,7 @@ class EngineConfig(Strict):
     tensor_parallel_size: int = Field(1, ge=1)
     enable_prefix_caching: bool = True
     patch_bank_rows: int | None = Field(None, ge=1)  # default: what the plan needs
-    seed: int = 0
+    seed: Seed = 0
     # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): a request's numbers no longer depend on what it
     # was batched with, so GPU reruns reproduce bit for bit (slower; GPU only)
     batch_invariant: bool = False
@@ -240,6 +299,17 @@ class EngineConfig(Strict):
     # distinct entry layers mean less host work per step (attention metadata, kept streams) for a few more layers
     # computed
     cell_entry_stride: int = Field(4, ge=1)
+
+    def eager(self, gpu: bool) -> bool:
+        return (not gpu) if self.enforce_eager is None else self.enforce_eager
+
+    def resolved(self, gpu: bool, decodes: bool) -> EngineConfig:
+        """``enforce_eager`` decided where the config leaves it open: eager on a CPU, and on a GPU for a plan whose
+        requests each generate one token (a causal trace: its cells run layer by layer anyway), where compiling
+        and capturing graphs costs more than it saves (bench/RESULTS.md, "Engine start")."""
+        if self.enforce_eager is not None:
+            return self
+        return self.model_copy(update={"enforce_eager": not (gpu and decodes)})
 
     def packs_cells(self) -> bool:
         if self.pack_cells is not None:
@@ -256,7 +326,10 @@ class ModelConfig(Strict):
 
 class StoreConfig(Strict):
     path: str | None = None  # default: <run dir>/results.zarr
-    unit_requests: int = Field(1024, ge=1)  # requests per unit of work, journaled as it finishes (resume)
+    # requests per unit of work, journaled as it finishes (resume); null: at most MAX_UNITS units a stage, each of
+    # at least MIN_UNIT requests (a unit ends with a drained batch and an emptied prefix cache)
+    unit_requests: int | None = Field(None, ge=1)
+    overwrite: bool = False  # replace an existing store at path (and its figures) once the new one is complete
 
 
 class ExperimentMeta(Strict):
