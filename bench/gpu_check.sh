@@ -10,7 +10,9 @@
 # kernels (bench/kernels.py: bandwidth of each kernel against a device copy), bench-small (SmolLM2: steering and
 # capture overhead), bench-8b (random-weight 8B-shaped Llama), bench-v2 (SmolLM2 on stock vLLM with its default
 # model runner, V2), bench-trace (causal-tracing grids against hand-batched HF hooks: bench/trace_grid.py),
-# bench-store (bench/store_bandwidth.py: a large capture written to zarr against dd on the same filesystem).
+# bench-store (bench/store_bandwidth.py: a large capture written to zarr against dd on the same filesystem),
+# startup (bench/run_wall.py: whole `interp-run` processes of WALL_CONFIG, default +experiment=causal_trace_full,
+# with WALL_ARGS such as `--variant eager:engine.enforce_eager=true --repeats 2`; result $OUT/$WALL_JSON.json).
 # GPU_CHECK_BUDGET_S (default 540) bounds the whole run: each stage gets what is left, and a stage is skipped
 # when under 30 s are left. Under a 10-minute limit per command, split the stages over calls, e.g.
 # `setup tests kernels bench-trace`, then `setup bench-small bench-store bench-8b`. Environment knobs:
@@ -59,6 +61,8 @@ main() {
       kernels) timeout -k 10 $(( budget - 5 )) $PY bench/kernels.py --json "$OUT/kernels.json" || rc=$? ;;
       bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --repeats "${TRACE_REPEATS:-5}" \
         ${TRACE_ARGS:-} --json "$OUT/${TRACE_JSON:-trace_grid}.json" || rc=$? ;;
+      startup) timeout -k 10 $(( budget - 5 )) $PY bench/run_wall.py ${WALL_ARGS:-} --dir /tmp/run-wall \
+        --json "$OUT/${WALL_JSON:-run_wall}.json" -- ${WALL_CONFIG:-+experiment=causal_trace_full} || rc=$? ;;
       bench-store) timeout -k 10 $(( budget - 5 )) $PY bench/store_bandwidth.py --dir "${STORE_DIR:-/tmp/interp-store-bench}" \
         ${STORE_ARGS:-} --json "$OUT/store_bandwidth.json" || rc=$? ;;
       *) echo "unknown stage $stage"; rc=2 ;;

@@ -13,11 +13,13 @@ import numpy as np
 from .compiler import EngineRequest
 from .config import ConfigError
 from .config.schema import EngineConfig
+from .engine_startup import StartupPhases, describe
 from .packing import PackedRequest, group_cells
 from .payload import EngineSpec, plugin_fingerprint, unpack_results
 from .plugin import ENABLE_ENV
 
 WORKER_EXTENSION = "interp_runner.plugin.runtime.InterpWorkerExtension"
+FORCED_TOKENS = "interp_runner.plugin.forcing:ForcedTokens"  # vLLM logits processor (teacher forcing)
 CPU_KV_CACHE_BYTES = 1 << 30
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 _batch_invariant_in_process: bool | None = None  # as set for the first engine of this process
@@ -90,7 +92,7 @@ class VllmEngine:
         kwargs = dict(
             model=model_path,
             dtype=cfg.dtype,
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=cfg.eager(on_gpu()),
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             tensor_parallel_size=cfg.tensor_parallel_size,
@@ -98,6 +100,7 @@ class VllmEngine:
             seed=cfg.seed,
             worker_extension_cls=WORKER_EXTENSION,
             additional_config=spec.as_additional_config(),
+            logits_processors=[FORCED_TOKENS] if spec.force_tokens else None,
         )
         if cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
@@ -152,8 +155,9 @@ class VllmEngine:
             self.llm.collective_rpc("interp_release_sources", args=(list(keys),))
 
     def run(self, requests: Sequence[EngineRequest], vectors: dict[str, np.ndarray] | None = None,
-            use_tqdm: bool = True) -> dict[str, RequestResult]:
-        """Submit the requests together; results by request id."""
+            use_tqdm: bool = True, progress=None) -> dict[str, RequestResult]:
+        """Submit the requests together; results by request id. ``progress(n)`` hears of each ``n`` requests
+        that finish, as they do (``LLM.generate`` shows its own bar instead, with ``use_tqdm``)."""
         if vectors:
             self.llm.collective_rpc(
                 "interp_register_vectors", args=({k: v.astype(np.float32).tobytes() for k, v in vectors.items()},)
@@ -161,12 +165,14 @@ class VllmEngine:
         if not requests:
             return {}
         if all(one_token_no_text(r) for r in requests):
-            return self._run_bulk(requests)
+            return self._run_bulk(requests, progress)
         outputs = self.llm.generate(
             [r.engine_prompt() for r in requests],
             [r.sampling_params() for r in requests],
             use_tqdm=use_tqdm,
         )
+        if progress is not None:
+            progress(len(requests))
         rids = [r.rid for r in requests]
         collected = self._collect(rids)
         results = {}
@@ -191,7 +197,7 @@ class VllmEngine:
             )
         return results
 
-    def _run_bulk(self, requests: Sequence[EngineRequest]) -> dict[str, RequestResult]:
+    def _run_bulk(self, requests: Sequence[EngineRequest], progress=None) -> dict[str, RequestResult]:
         """One-token requests straight into the engine core: no input rendering, no output processing.
 
         ``LLM.generate`` spends a large share of a short request's cost in its front end (prompt rendering and
@@ -241,6 +247,9 @@ class VllmEngine:
                     cached[out.request_id] = int(out.prefill_stats.num_cached_tokens)
                 if out.finished:
                     done.add(out.request_id)
+                    if progress is not None:
+                        request = pending[out.request_id]
+                        progress(len(request.members) if isinstance(request, PackedRequest) else 1)
 
         arrival = time.time()
         submitted = 0
@@ -343,8 +352,10 @@ class EnginePool:
     settings are the same, rebuilt when they change or the plan needs sites it lacks (then with the sites of
     both). A reused engine starts each run with an empty prefix cache, as a fresh one would."""
 
-    def __init__(self, factory=None):
+    def __init__(self, factory=None, log=None):
         self.factory = factory or VllmEngine
+        self.log = log
+        self.startup: dict | None = None  # the last build's phases (``engine_startup``)
         self.engine = None
         self.key = None
         self.builds = 0
@@ -360,7 +371,11 @@ class EnginePool:
                 return self.engine
             spec = self.engine.spec.union(spec)
         self.close()
-        self.engine = self.factory(model_path, cfg, spec)
+        with StartupPhases(announce=self.log) as phases:
+            self.engine = self.factory(model_path, cfg, spec)
+        self.startup = phases.summary(compiled=not cfg.eager(on_gpu()))
+        if self.log is not None:
+            self.log(f"engine start: {describe(self.startup)}")
         self.key = key
         self.builds += 1
         return self.engine

@@ -6,7 +6,6 @@ Takes the resolved config as a plain dict; knows nothing of Hydra.
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +16,14 @@ from . import provenance
 from .compiler import EngineRequest, Plan, compile_plan
 from .config import ConfigError, RunConfig, validate_config
 from .config.schema import resolve_path
+from .engine_rules import check_engine, check_plan_values
 from .models.facts import ModelFacts, UnsupportedModel, embedding_rows
 from .models.materialize import model_path
-from .store import (
-    STATUS_COMPLETE, STATUS_FAILED, STATUS_RUNNING, Journal, mark, open_store, results_dataset, write_results,
-)
-from .tokens import TextTokenizer
+from .store import STATUS_COMPLETE, mark, results_dataset, write_results
+from .store_claim import claim_store
+from .engine import on_gpu, one_token_no_text
+from .progress import StageProgress, on_terminal
+from .tokens import TextTokenizer, TokenizerError
 
 
 @dataclass
@@ -51,10 +52,13 @@ def prepare(config: dict, base: Path | None = None) -> Prepared:
             raise ConfigError.at("model.name", str(err)) from None
     try:
         facts = ModelFacts.from_folder(folder)
-    except UnsupportedModel as err:
-        raise ConfigError.at("model", str(err)) from None
-    tokenizer = load_tokenizer(folder, cfg.prompts.chat_template)
-    plan = compile_plan(cfg, facts, tokenizer, base, embeddings=lambda ids: embedding_rows(folder, ids))
+        check_engine(cfg, facts)
+        tokenizer = load_tokenizer(folder, cfg.prompts.chat_template)
+        plan = compile_plan(cfg, facts, tokenizer, base, embeddings=lambda ids: embedding_rows(folder, ids))
+    except (UnsupportedModel, TokenizerError) as err:
+        raise ConfigError.at(getattr(err, "key", None) or ("model.path" if cfg.model.path else "model.name"),
+                             str(err)) from None
+    check_plan_values(plan, cfg, facts)
     return Prepared(cfg, facts, plan, tokenizer)
 
 
@@ -72,11 +76,19 @@ def _keeps(request: EngineRequest) -> bool:
     return bool((request.payload or {}).get("keep"))
 
 
+MIN_UNIT, MAX_UNITS = 1024, 16
+
+
+def unit_size(num_requests: int) -> int:
+    """The default unit of work: at most ``MAX_UNITS`` a stage, of at least ``MIN_UNIT`` requests."""
+    return max(MIN_UNIT, -(-num_requests // MAX_UNITS))
+
+
 def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bool = True,
             unit: int | None = None, journal=None) -> dict:
     """Run the plan's stages on ``engine``; results by request id (requests whose condition failed are absent).
 
-    A stage is submitted in units of ``unit`` requests (default: the whole stage in one), so continuous batching
+    A stage is submitted in units of ``unit`` requests (default: ``unit_size``), so continuous batching
     sees all of a unit; its patch sources stay registered on the workers until the whole stage has finished, and
     the values stage 0 keeps on the workers (``Plan.refs``) until the plan has. With a ``journal``
     (``store.Journal``) each finished unit is recorded, and units it already holds are taken from it instead of
@@ -92,11 +104,13 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
     vectors = plan.vectors  # registered with the first requests that run
     refill: list[list[EngineRequest]] = []  # journaled units whose kept values later units need
 
-    def run_unit(part: list[EngineRequest], progress: bool) -> dict:
+    def run_unit(part: list[EngineRequest], progress: StageProgress | None) -> dict:
         nonlocal vectors
         if journal is not None and hasattr(engine, "reset_prefix_cache"):
             engine.reset_prefix_cache()
-        out = engine.run(part, vectors, use_tqdm=progress)
+        # LLM.generate shows its own bar; the bulk path reports to the stage's
+        own_bar = progress is not None and progress.bar is None and on_terminal()
+        out = engine.run(part, vectors, use_tqdm=own_bar, progress=None if progress is None else progress.advance)
         vectors = None
         return out
 
@@ -109,8 +123,11 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
             keys = {k for r in requests for k in ((r.payload or {}).get("patch") or {}).get("src", ())}
             sources = {k: plan.sources[k] for k in keys if k in plan.sources}
             engine.register_sources(sources)
-            size = unit or max(len(requests), 1)
+            size = unit or unit_size(len(requests))
             units = [requests[i : i + size] for i in range(0, len(requests), size)]
+            bulk = all(one_token_no_text(r) for r in requests)
+            progress = StageProgress(f"stage {stage}", len(requests), log, bar=bulk and on_terminal()) \
+                if use_tqdm else None
             try:
                 log(f"stage {stage}: {len(requests)} requests" + (f" in {len(units)} units" if len(units) > 1 else ""))
                 for k, part in enumerate(units):
@@ -118,40 +135,29 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
                     if done is not None and set(done) == {r.rid for r in part}:
                         log(f"stage {stage} unit {k}: taken from the journal")
                         results.update(done)
+                        if progress is not None:
+                            progress.advance(len(part))
                         if any(_keeps(r) for r in part):
                             refill.append(part)
                         continue
                     for again in refill:  # as they ran (the same batch), so the values are the same
                         log(f"stage {stage} unit {k}: a journaled unit of {len(again)} requests runs again first, "
                             "for the values it keeps on the workers")
-                        run_unit(again, False)
+                        run_unit(again, None)
                     refill = []
-                    out = run_unit(part, use_tqdm)
+                    out = run_unit(part, progress)
                     if journal is not None:
                         journal.record(stage, k, out)
                     results.update(out)
+                    if progress is not None:
+                        progress.unit_finished(k, len(units))
             finally:
+                if progress is not None:
+                    progress.close()
                 engine.release_sources(list(sources))
     finally:
         engine.release_sources(list(plan.refs))
     return results
-
-
-def check_resumable(store_path: Path, manifest: dict) -> None:
-    """Only an unfinished store written by the same run (config, model, requests) is resumed."""
-    import zarr
-
-    if not store_path.exists():
-        raise ConfigError.at("resume", f"no store to resume at {store_path} (set store.path to it)")
-    attrs = dict(zarr.open_group(str(store_path), mode="r").attrs)
-    for key in ("run_key", "requests_sha256"):
-        if attrs.get(key) != manifest[key]:
-            raise ConfigError.at("resume", f"{store_path} was written by a different run ({key} "
-                                           f"{attrs.get(key)} != {manifest[key]}): it is never resumed into")
-    if attrs.get("model", {}).get("weights_sha256") != manifest["model"]["weights_sha256"]:
-        raise ConfigError.at("resume", f"{store_path} was written with other model weights")
-    if attrs.get("status") == STATUS_COMPLETE:
-        raise ConfigError.at("resume", f"{store_path} is already complete")
 
 
 def default_store_path(run_dir: Path) -> Path:
@@ -171,7 +177,9 @@ def run(
     ``engines`` (an ``EnginePool``) keeps the engine for the next run in this process; without one, the engine
     is built for this run (with ``engine_factory``, default ``VllmEngine``)."""
     started_at = provenance.now()
+    timings, t_plan = {}, time.perf_counter()
     prepared = prepare(config, base=Path.cwd())
+    timings["plan_s"] = round(time.perf_counter() - t_plan, 2)
     cfg, facts, plan = prepared.cfg, prepared.facts, prepared.plan
     spec = plan.engine_spec
     log(f"plan: {len(plan.requests)} requests in {plan.num_stages} stage(s), {len(plan.vectors)} vectors, "
@@ -185,52 +193,59 @@ def run(
 
     store_path = Path(cfg.store.path).expanduser() if cfg.store.path else default_store_path(run_dir)
     manifest = provenance.manifest(config, cfg, facts, plan, list(overrides), started_at)
-    if cfg.resume:
-        check_resumable(store_path, manifest)
-        mark(store_path, STATUS_RUNNING, resumed_at=started_at)
-    else:
-        open_store(store_path, manifest)
-    journal = Journal(store_path)
-    finished = journal.open(cfg.resume)
-    if cfg.resume:
-        log(f"resuming {store_path}: {finished} unit(s) already done")
+    # checked and locked before any engine starts; written beside store_path, moved there once complete
+    claim = claim_store(store_path, resume=cfg.resume, overwrite=cfg.store.overwrite, log=log)
+    journal = claim.begin(manifest)
+    staged = claim.staged
     try:
         if engines is None:
             from .engine import EnginePool
 
             engines = EnginePool(engine_factory)
+        engines.log = log
         builds, t0 = engines.builds, time.perf_counter()
-        engine = engines.get(facts.path, cfg.engine, spec)
+        decodes = any(r.sampling.get("max_tokens", 1) > 1 for r in plan.requests)
+        engine = engines.get(facts.path, cfg.engine.resolved(on_gpu(), decodes), spec)
         reused = engines.builds == builds
-        log(f"engine {'reused' if reused else 'started'} on {facts.path} in {time.perf_counter() - t0:.1f} s "
+        timings["engine_s"] = round(time.perf_counter() - t0, 2)
+        log(f"engine {'reused' if reused else 'started'} on {facts.path} in {timings['engine_s']:.1f} s "
             f"({engines.builds} built for {engines.runs} runs in this process)")
         t0 = time.perf_counter()
         results = execute(engine, plan, log, unit=cfg.store.unit_requests, journal=journal)
-        log(f"ran in {time.perf_counter() - t0:.1f} s")
+        timings["run_s"] = round(time.perf_counter() - t0, 2)
+        log(f"ran in {timings['run_s']:.1f} s")
+        t0 = time.perf_counter()
         ds = results_dataset(plan, results, facts.hidden_size, prepared.tokenizer)
-        write_results(store_path, ds)
+        write_results(staged, ds)
+        timings["store_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
         figures = []
         if plan.trace is not None and cfg.causal_trace.plots:
             import xarray as xr
 
             from .plots import write_figures
 
-            written = xr.open_zarr(str(store_path), consolidated=False)  # the figures show what the store holds
-            figures = [str(p) for p in write_figures(written, store_path.parent / "figures")]
-            log(f"figures: {store_path.parent / 'figures'} ({len(figures)} files)")
+            written = xr.open_zarr(str(staged), consolidated=False)  # the figures show what the store holds
+            figures_dir = claim.target.figures  # beside the store, moved there with it
+            figures = [str(figures_dir / p.name) for p in write_figures(written, claim.target.staging(figures_dir))]
+            log(f"figures: {figures_dir} ({len(figures)} files)")
+        timings["figures_s"] = round(time.perf_counter() - t0, 2)
         mark(
-            store_path,
+            staged,
             STATUS_COMPLETE,
             finished_at=provenance.now(),
             engine={"dtype": engine.dtype, "plugin_status": engine.status, "reused": reused,
                     "intervention_checksums": getattr(engine, "checksums", []),
-                    "builds_in_process": engines.builds, "runs_in_process": engines.runs},
+                    "builds_in_process": engines.builds, "runs_in_process": engines.runs,
+                    **({} if reused or engines.startup is None else {"startup": engines.startup})},
             figures=figures,
+            timings=timings,
         )
-        journal.remove()
+        claim.publish()
     except BaseException as err:
-        mark(store_path, STATUS_FAILED, finished_at=provenance.now(), error="".join(
-            traceback.format_exception_only(type(err), err)).strip())
+        claim.fail(err, finished_at=provenance.now())
         raise
+    finally:
+        claim.release()
     log(f"store: {store_path}")
     return store_path

@@ -114,19 +114,50 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
-def write_figures(ds: xr.Dataset, out_dir) -> list[Path]:
-    """Per-fact trace heatmaps for every kind plus the averaged-effect figure."""
+FIGURE_VARS = ("restored_prob", "num_tokens", "token_text", "subject_start", "subject_end", "corrupt_prob", "answer",
+               "indirect_effect", "avg_indirect_effect")
+
+
+PER_WORKER_AT_LEAST = 8
+
+
+def _render(job: tuple) -> Path:
+    """One figure (in a worker process): ("trace", one fact's dataset, kind, path) or ("average", dataset, path)."""
+    if job[0] == "trace":
+        _, ds, kind, path = job
+        return trace_heatmap(ds, 0, kind, path)
+    _, ds, path = job
+    return average_effect_plot(ds, path)
+
+
+def write_figures(ds: xr.Dataset, out_dir, workers: int | None = None) -> list[Path]:
+    """Per-fact trace heatmaps for every kind plus the averaged-effect figure, drawn in ``workers`` processes
+    (default: one per core, each with at least ``PER_WORKER_AT_LEAST`` figures)."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    ds = ds[[v for v in FIGURE_VARS if v in ds]].load()  # one read of what the figures show
     kinds = [str(k) for k in ds["kind"].values]
     fact_ids = ds["fact_id"].values if "fact_id" in ds.coords else range(ds.sizes["fact"])
+    jobs = []
     for i, fact_id in enumerate(fact_ids):
         # facts filtered out upstream carry an all-NaN indirect effect
         if bool(ds["indirect_effect"].isel(fact=i).isnull().all()):
             continue
-        for kind in kinds:
-            path = out_dir / f"trace_{_safe(str(fact_id))}_{kind}.png"
-            written.append(trace_heatmap(ds, i, kind, path))
-    written.append(average_effect_plot(ds, out_dir / "average_indirect_effect.png"))
-    return written
+        one = ds.isel(fact=[i])
+        jobs += [("trace", one, kind, out_dir / f"trace_{_safe(str(fact_id))}_{kind}.png") for kind in kinds]
+    jobs.append(("average", ds.drop_dims("fact", errors="ignore"), out_dir / "average_indirect_effect.png"))
+    # a spawned worker costs about as much as a few figures (its imports): worth it for many figures only
+    workers = workers or (min(os.cpu_count() or 1, len(jobs) // PER_WORKER_AT_LEAST))
+    if workers <= 1:
+        return [_render(job) for job in jobs]
+    # spawned, not forked: the parent may hold an engine's threads and device context
+    try:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            return list(pool.map(_render, jobs))
+    except BrokenProcessPool:  # a parent whose main module cannot be re-imported (a script read from stdin)
+        return [_render(job) for job in jobs]

