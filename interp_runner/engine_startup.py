@@ -34,6 +34,8 @@ CACHE_MISS_TEMPLATES = (
     "saved AOT compiled function to %s",
     "Compiling a graph for compile range %s takes %.2f s",
 )
+# vLLM 0.26's CPU build fails to load its own AOT artifacts and compiles again (Inductor's caches make it quicker)
+CACHE_LOAD_FAILED = "Compiling model again due to a load failure from %s, reason: %s"
 # records that open a phase a user waits through: announced as they come
 ANNOUNCE = {
     "Warming up model for the compilation...": "compiling the model (torch.compile) and warming it up",
@@ -67,9 +69,11 @@ class StartupPhases(logging.Handler):
                 pass
         if template in INIT_TEMPLATES:
             self.core_init = float(record.args[0])
-        if template in CACHE_HIT_TEMPLATES and self.compile_cache is None:
+        if template == CACHE_LOAD_FAILED:
+            self.compile_cache = "load failed"
+        elif template in CACHE_HIT_TEMPLATES and self.compile_cache is None:
             self.compile_cache = "hit"
-        elif template in CACHE_MISS_TEMPLATES:
+        elif template in CACHE_MISS_TEMPLATES and self.compile_cache is None:
             self.compile_cache = "miss"
         if self.announce is not None and template in ANNOUNCE:
             self.announce(f"engine start: {ANNOUNCE[template]} ({time.perf_counter() - self._t0:.0f} s)")
