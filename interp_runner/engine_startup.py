@@ -38,7 +38,7 @@ CACHE_MISS_TEMPLATES = (
 CACHE_LOAD_FAILED = "Compiling model again due to a load failure from %s, reason: %s"
 # records that open a phase a user waits through: announced as they come
 ANNOUNCE = {
-    "Warming up model for the compilation...": "compiling the model (torch.compile) and warming it up",
+    "Warming up model for the compilation...": "warming the model up (compiling it first unless eager)",
     "Loading weights took %.2f seconds": "weights loaded",
     "Model loading took %s GiB memory and %.6f seconds": "weights loaded",
     "torch.compile took %.2f s in total": "compiled",

@@ -26,26 +26,25 @@ def parse_layers(selector, num_layers: int, where: str) -> list[int]:
         if start >= stop:
             raise ConfigError.at(where, f"{selector!r} selects no layer, model has {num_layers} layers")
         return list(range(start, stop))
-    layers = [selector] if isinstance(selector, int) else list(selector)
-    if len(set(layers)) != len(layers):
-        raise ConfigError.at(where, f"layers repeat: {layers}")
-    for i, layer in enumerate(layers):
-        if not 0 <= layer < num_layers:
-            sub = where if isinstance(selector, int) else f"{where}[{i}]"
-            raise ConfigError.at(sub, f"{layer} out of range, model has {num_layers} layers")
-    return layers
+    return _listed(selector, num_layers, where, "layers",
+                   lambda layer: f"{layer} out of range, model has {num_layers} layers")
 
 
 def parse_prompts(selector, num_prompts: int, where: str) -> list[int]:
     if selector == "all":
         return list(range(num_prompts))
+    return _listed(selector, num_prompts, where, "prompts",
+                   lambda index: f"prompt {index} out of range, there are {num_prompts} prompts")
+
+
+def _listed(selector, count: int, where: str, noun: str, out_of_range) -> list[int]:
+    """An int or a list of ints, each in [0, count) and given once; the key of the first that is not."""
     indices = [selector] if isinstance(selector, int) else list(selector)
     if len(set(indices)) != len(indices):
-        raise ConfigError.at(where, f"prompts repeat: {indices}")
+        raise ConfigError.at(where, f"{noun} repeat: {indices}")
     for i, index in enumerate(indices):
-        if not 0 <= index < num_prompts:
-            sub = where if isinstance(selector, int) else f"{where}[{i}]"
-            raise ConfigError.at(sub, f"prompt {index} out of range, there are {num_prompts} prompts")
+        if not 0 <= index < count:
+            raise ConfigError.at(where if isinstance(selector, int) else f"{where}[{i}]", out_of_range(index))
     return indices
 
 

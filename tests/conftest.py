@@ -116,3 +116,16 @@ def rel_err(a, b) -> float:
     import numpy as np
 
     return float((np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)).max())
+
+
+@pytest.fixture(scope="module")
+def cached_tokenizers():
+    """prepare() loads the tokenizer on every call (~0.4 s): load each one once for the module using this."""
+    import functools
+
+    from interp_runner import pipeline
+
+    original = pipeline.load_tokenizer
+    pipeline.load_tokenizer = functools.lru_cache(maxsize=None)(original)
+    yield
+    pipeline.load_tokenizer = original

@@ -13,7 +13,6 @@ that were there as they were.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -37,14 +36,8 @@ ENGINE_LOG = ("engine started", "engine reused", "engine start")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def cached_tokenizers():
-    """prepare() loads the tokenizer on every call: once per model folder and mode in this module."""
-    from interp_runner import pipeline
-
-    original = pipeline.load_tokenizer
-    pipeline.load_tokenizer = functools.lru_cache(maxsize=None)(original)
+def _tokenizers_once(cached_tokenizers):
     yield
-    pipeline.load_tokenizer = original
 
 
 # ---------------------------------------------------------------- inputs on disk

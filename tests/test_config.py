@@ -27,16 +27,8 @@ V = [0.25] * HIDDEN
 
 
 @pytest.fixture(autouse=True, scope="module")
-def cached_tokenizers():
-    """prepare() loads the tokenizer on every call (~0.4 s): load each one once for this module."""
-    import functools
-
-    from interp_runner import pipeline
-
-    original = pipeline.load_tokenizer
-    pipeline.load_tokenizer = functools.lru_cache(maxsize=None)(original)
+def _tokenizers_once(cached_tokenizers):
     yield
-    pipeline.load_tokenizer = original
 
 
 def problems(config: dict, base: Path | None = None) -> dict[str, str]:
