@@ -15,7 +15,7 @@ from .stores import Store, VerifyError, check_readable
 MANIFEST_KEYS = frozenset({
     "schema", "config_yaml", "config_sha256", "command", "overrides", "experiment", "experiments_dir", "package",
     "versions", "model", "seeds", "requests_sha256", "num_requests", "plugin", "host", "started_at",
-    "finished_at", "status", "error", "engine", "figures", "timings",
+    "finished_at", "status", "error", "engine", "figures", "timings", "run_key",
 })
 PROVENANCE = (
     ("versions", lambda a: a.get("versions")),
