@@ -300,16 +300,15 @@ class EngineConfig(Strict):
     # computed
     cell_entry_stride: int = Field(4, ge=1)
 
-    def eager(self, gpu: bool) -> bool:
-        return (not gpu) if self.enforce_eager is None else self.enforce_eager
+    def eager(self, gpu: bool, decodes: bool = True) -> bool:
+        """``enforce_eager``, or where the config leaves it open: eager on a CPU, and on a GPU for a plan whose
+        requests each generate one token (a causal trace: its cells run layer by layer anyway), where compiling
+        and capturing graphs costs more than it saves (bench/RESULTS.md, "Engine start and whole runs")."""
+        return not (gpu and decodes) if self.enforce_eager is None else self.enforce_eager
 
     def resolved(self, gpu: bool, decodes: bool) -> EngineConfig:
-        """``enforce_eager`` decided where the config leaves it open: eager on a CPU, and on a GPU for a plan whose
-        requests each generate one token (a causal trace: its cells run layer by layer anyway), where compiling
-        and capturing graphs costs more than it saves (bench/RESULTS.md, "Engine start")."""
-        if self.enforce_eager is not None:
-            return self
-        return self.model_copy(update={"enforce_eager": not (gpu and decodes)})
+        """This config with ``enforce_eager`` decided (``eager``) for a plan that does or does not ``decode``."""
+        return self.model_copy(update={"enforce_eager": self.eager(gpu, decodes)})
 
     def packs_cells(self) -> bool:
         if self.pack_cells is not None:
