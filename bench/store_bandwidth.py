@@ -8,11 +8,11 @@ bandwidth ``dd`` gets in the same directory.
   ``direct`` (``oflag=direct``: around the page cache). Timed here around the dd process plus an fsync of the file
   and its directory; dd's own reported rate is kept beside it. A mode the filesystem refuses is recorded and left
   out.
-- store: a plan compiled by ``interp_runner.compiler.compile_plan`` from a capture config (``positions:
+- store: a plan compiled by the prompts kind (``interp_runner.kinds.prompts``) from a capture config (``positions:
   all_prompt`` at every layer of ``--hook``) on synthetic model facts of ``--shape`` (requests, positions, layers,
   hidden), with results as the engine hands them over (float32 values per site; with ``--values bfloat16`` they
   are bf16-representable, as a bf16 engine produces them). The pipeline's own functions turn them into the store:
-  ``open_store`` (untimed, as the pipeline opens the store before the run), ``results_dataset`` (timed apart:
+  ``open_store`` (untimed, as the pipeline opens the store before the run), the kind's ``dataset`` (timed apart:
   "build") and ``write_results``, timed from its start to the end of an fsync of every file and directory of the
   store. Bytes: on disk (the sizes of the store's files) and logical (the captured array at the dtype the store
   keeps: ``float32`` for float32 and bfloat16 layouts, ``float16`` for float16). The store compresses captures
@@ -85,8 +85,8 @@ def concurrency_of(name: str) -> int | None:
 
 def synthetic_plan(shape: tuple[int, int, int, int], hook: str, dtype: str):
     """(plan, facts): every prompt position of every layer of ``hook`` captured, compiled from a config."""
-    from interp_runner.compiler import compile_plan
-    from interp_runner.config import validate_config
+    from interp_runner.kinds.prompts import KIND
+    from interp_runner.run_config import validate_config
     from interp_runner.models.facts import ModelFacts
 
     requests, positions, layers, hidden = shape
@@ -104,7 +104,7 @@ def synthetic_plan(shape: tuple[int, int, int, int], hook: str, dtype: str):
         seed = int(text.split()[-1])
         return [int(t) for t in np.random.default_rng(seed).integers(1, 32000, positions)]
 
-    return compile_plan(validate_config(config), facts, tokenize), facts
+    return KIND.compile(validate_config(config), facts, tokenize), facts
 
 
 def synthetic_results(plan, hidden: int, values: str, seed: int) -> dict:
@@ -275,14 +275,15 @@ def variant(name: str | None):
 
 def store_once(folder: Path, plan, results: dict, hidden: int, name: str | None = None, check: bool = False,
                profile: bool = False) -> dict:
-    from interp_runner.store import open_store, results_dataset, write_results
+    from interp_runner.kinds.prompts import KIND
+    from interp_runner.store import open_store, write_results
 
     path = folder / "results.zarr"
     shutil.rmtree(path, ignore_errors=True)
     open_store(path, {"schema": "interp-runner/1", "bench": "store_bandwidth"})
     fsync_tree(path)
     t0 = time.perf_counter()
-    ds = results_dataset(plan, results, hidden)
+    ds = KIND.dataset(plan, results, hidden)
     build = time.perf_counter() - t0
     logical = int(ds[CAPTURE].nbytes)
     profiler = cProfile.Profile() if profile else None
@@ -439,7 +440,7 @@ def table(result: dict) -> str:
         rows.append(store_row(f"{tag}: write+fsync, logical", s["seconds"], s["logical_bytes"], goal)
                     + (str(s["runs"]),))
         if name == "product":
-            rows.append(store_row("store: build (results_dataset)", s["build_s"], s["logical_bytes"], False)
+            rows.append(store_row("store: build (dataset)", s["build_s"], s["logical_bytes"], False)
                         + (str(s["runs"]),))
             rows.append(store_row("store: build + write, logical", s["build_s"] + s["seconds"], s["logical_bytes"],
                                   False) + (str(s["runs"]),))
@@ -491,7 +492,7 @@ def main(argv=None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="store-bandwidth-", dir=base))
 
     if args.capture_dtype == "bfloat16":
-        import torch  # noqa: F401  (results_dataset rounds with it: imported here, outside the timed build)
+        import torch  # noqa: F401  (the dataset build rounds with it: imported here, outside the timed build)
     t0 = time.perf_counter()
     plan, facts = synthetic_plan(shape, args.hook, args.capture_dtype)
     results = synthetic_results(plan, facts.hidden_size, args.values, args.seed)

@@ -189,7 +189,7 @@ def ours_grid(plan, results, num_layers: int, n: int):
     """[layers, tokens] restored answer log-probabilities, clean and corrupt ones, via ``trace_dataset``."""
     import numpy as np
 
-    from interp_runner.causal_trace import trace_dataset
+    from interp_runner.kinds.trace_grids import trace_dataset
 
     ds = trace_dataset(plan, results)
     grid = ds["restored_logprob_samples"].values[0, 0, :, :n, 0].astype(np.float64)
@@ -570,7 +570,7 @@ def main(argv=None) -> int:
                        for g in strides[1:]}
         variants[n].update({f"steps of {t} tokens": (prepared[n], {"step_tokens": t})
                             for t in (int(x) for x in args.step_tokens.split(",") if x)})
-        fact = prepared[n].plan.trace.facts[0]
+        fact = prepared[n].plan.layout.facts[0]
         if len(fact.clean.token_ids) != n or fact.subject_positions != (1, 2, 3):
             raise RuntimeError(f"{n}: plan has {len(fact.clean.token_ids)} tokens, subject {fact.subject_positions}")
         prepare_s[n] = time.perf_counter() - t1
@@ -618,7 +618,7 @@ def main(argv=None) -> int:
 
     for n in lengths:
         p = prepared[n]
-        plan, layout = p.plan, p.plan.trace
+        plan, layout = p.plan, p.plan.layout
         fact = layout.facts[0]
         num_layers = len(layout.layers)
         row = {"tokens": n, "cells": num_layers * n, "requests": len(plan.requests), "prepare_s": prepare_s[n],

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .compiler import EngineRequest
 from .config import ConfigError
 from .config.schema import EngineConfig
 from .engine_startup import StartupPhases, describe
 from .packing import PackedRequest, group_cells
 from .payload import EngineSpec, plugin_fingerprint, unpack_results
 from .plugin import ENABLE_ENV
+from .request_build import EngineRequest
 
 WORKER_EXTENSION = "interp_runner.plugin.runtime.InterpWorkerExtension"
 FORCED_TOKENS = "interp_runner.plugin.forcing:ForcedTokens"  # vLLM logits processor (teacher forcing)

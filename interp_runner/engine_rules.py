@@ -12,12 +12,12 @@ from collections import defaultdict
 
 import numpy as np
 
-from .compiler import Plan
 from .config.errors import ConfigError
-from .config.schema import RunConfig
+from .config.schema import RunBase
 from .engine import CPU_KV_CACHE_BYTES, on_gpu
 from .models.facts import ModelFacts
 from .payload import DECODE, PREFILL
+from .plan import Plan
 
 CPU_BLOCK_TOKENS = 128  # vllm/platforms/cpu.py: the block size of the CPU KV cache
 GPU_BLOCK_TOKENS = 16  # the smallest block a CUDA attention backend uses
@@ -25,7 +25,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DTYPE_MAX = {"float32": float(np.finfo(np.float32).max), "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 
 
-def check_engine(cfg: RunConfig, facts: ModelFacts, gpu: bool | None = None) -> None:
+def check_engine(cfg: RunBase, facts: ModelFacts, gpu: bool | None = None) -> None:
     """Every engine setting vLLM would refuse for this model on this machine, reported together."""
     gpu = on_gpu() if gpu is None else gpu
     problems = (_max_model_len(cfg, facts) + _tensor_parallel(cfg, facts) + _devices(cfg, gpu)
@@ -37,7 +37,7 @@ def check_engine(cfg: RunConfig, facts: ModelFacts, gpu: bool | None = None) -> 
         raise ConfigError(problems)
 
 
-def model_dtype(cfg: RunConfig, facts: ModelFacts) -> str:
+def model_dtype(cfg: RunBase, facts: ModelFacts) -> str:
     """The dtype the engine computes in: ``engine.dtype``, or for "auto" the weights' (float32 weights run in
     bfloat16, vLLM's preferred dtype on CPUs and current GPUs: ``_resolve_auto_dtype``)."""
     if cfg.engine.dtype != "auto":
@@ -45,7 +45,7 @@ def model_dtype(cfg: RunConfig, facts: ModelFacts) -> str:
     return facts.dtype if facts.dtype in ("float16", "bfloat16") else "bfloat16"
 
 
-def check_plan_values(plan: Plan, cfg: RunConfig, facts: ModelFacts) -> None:
+def check_plan_values(plan: Plan, cfg: RunBase, facts: ModelFacts) -> None:
     """Steering sums and patch sources become the engine's dtype on the workers: they must stay finite there."""
     dtype = model_dtype(cfg, facts)
     limit = DTYPE_MAX[dtype]
@@ -58,6 +58,8 @@ def check_plan_values(plan: Plan, cfg: RunConfig, facts: ModelFacts) -> None:
         sums: dict[tuple, np.ndarray] = defaultdict(lambda: np.zeros(facts.hidden_size, dtype=np.float32))
         with np.errstate(over="ignore"):
             for site, phases, key, scale in steer:
+                if key not in plan.vectors:  # derived from earlier stages' results (``Plan.derive_vectors``)
+                    continue
                 for phase in (PREFILL, DECODE):
                     if phases & phase:
                         sums[site, phase] += plan.vectors[key] * np.float32(scale)
@@ -71,7 +73,7 @@ def check_plan_values(plan: Plan, cfg: RunConfig, facts: ModelFacts) -> None:
                                              f"(±{limit:.4g}), the dtype the engine computes in")
 
 
-def _max_model_len(cfg: RunConfig, facts: ModelFacts) -> list:
+def _max_model_len(cfg: RunBase, facts: ModelFacts) -> list:
     """``_get_and_verify_max_len``: no longer than the model's config allows, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN."""
     wanted, allowed = cfg.engine.max_model_len, facts.max_model_len
     if allowed is None or wanted <= allowed or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") not in ("", "0"):
@@ -80,7 +82,7 @@ def _max_model_len(cfg: RunConfig, facts: ModelFacts) -> list:
                                      f"{allowed} in {facts.path}/config.json")]
 
 
-def _tensor_parallel(cfg: RunConfig, facts: ModelFacts) -> list:
+def _tensor_parallel(cfg: RunBase, facts: ModelFacts) -> list:
     """``ModelConfig.verify_with_parallel_config`` and the sharded layers (``QKVParallelLinear``,
     ``MergedColumnParallelLinear``): each rank takes an equal share of heads and MLP width; KV heads are split or,
     when fewer than the ranks, replicated evenly."""
@@ -97,7 +99,7 @@ def _tensor_parallel(cfg: RunConfig, facts: ModelFacts) -> list:
     return [("engine.tensor_parallel_size", f"{tp} ranks cannot share the model's {' and '.join(uneven)} evenly")]
 
 
-def _devices(cfg: RunConfig, gpu: bool) -> list:
+def _devices(cfg: RunBase, gpu: bool) -> list:
     """A rank per GPU; on CPUs a rank per process, each bound to cores (``OMPProcessManager``)."""
     tp = cfg.engine.tensor_parallel_size
     key = "engine.tensor_parallel_size"
@@ -154,7 +156,7 @@ def _default_batched_tokens(tp: int, gpu: bool) -> int:
     return 16384 if memory >= 70 * 2**30 else 8192
 
 
-def _scheduler(cfg: RunConfig, gpu: bool) -> list:
+def _scheduler(cfg: RunBase, gpu: bool) -> list:
     """``SchedulerConfig.verify_max_model_len``: a step holds at least one token of each sequence it runs
     (chunked prefill, on for these models, lets a step hold less than a whole prompt)."""
     e = cfg.engine
@@ -170,7 +172,7 @@ def _scheduler(cfg: RunConfig, gpu: bool) -> list:
     return []
 
 
-def _kv_cache(cfg: RunConfig, facts: ModelFacts, gpu: bool) -> list:
+def _kv_cache(cfg: RunBase, facts: ModelFacts, gpu: bool) -> list:
     """``check_enough_kv_cache_memory``: the KV cache of a rank holds at least one sequence of max_model_len
     tokens. On GPUs without ``kv_cache_memory_bytes`` vLLM sizes it by profiling: nothing to check here."""
     e = cfg.engine

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .compiler import EngineRequest
 from .payload import PAYLOAD_KEY, pack_positions
+from .request_build import EngineRequest
 
 PACKABLE_KEYS = {"rid", "patch", "score", "kv", "kv_private", "start"}
 

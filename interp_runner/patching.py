@@ -1,4 +1,4 @@
-"""Activation patching: ``patching:`` entries -> patched copies of their destination prompts (compiler side).
+"""Activation patching: ``patching:`` entries -> patched copies of their destination prompts (plan side).
 
 A patched copy runs in stage 1 with entries (site, position, source key, a, b): the value there becomes
 ``a * value + b * source`` with (a, b) = (1 - alpha, alpha). Sources are vectors (or zeros) known now, or values
@@ -17,7 +17,8 @@ import numpy as np
 from .config.errors import ConfigError
 from .config.schema import Span
 from .payload import digest, pack_positions, ref_key, vector_key
-from .selectors import distinct_positions
+from .prompt_set import prompt_rid
+from .selectors import distinct_positions, parse_layers, parse_prompts
 from .sites import site_id
 from .vectors import load_vector
 
@@ -101,8 +102,6 @@ def keep_groups(wanted: dict[int, set[int]]) -> list:
 
 
 def compile_patching(cfg, prompts, facts, tokenizer, named, base, steer) -> Patching:
-    from .compiler import parse_layers, parse_prompts, prompt_rid
-
     out = Patching()
     wanted: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     with_baseline: set[int] = set()

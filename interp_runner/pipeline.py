@@ -5,24 +5,30 @@ Takes the resolved config as a plain dict; knows nothing of Hydra.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+import xarray as xr
 
 from . import provenance
-from .compiler import EngineRequest, Plan, compile_plan
-from .config import ConfigError, RunConfig, validate_config
+from .config import ConfigError
 from .config.schema import resolve_path
+from .engine import EngineError, EnginePool, on_gpu, one_token_no_text
 from .engine_rules import check_engine, check_plan_values
+from .kinds import kind_for
+from .kinds.base import Kind
 from .models.facts import ModelFacts, UnsupportedModel, embedding_rows
 from .models.materialize import model_path
-from .store import STATUS_COMPLETE, mark, results_dataset, write_results
-from .store_claim import claim_store
-from .engine import on_gpu, one_token_no_text
+from .plan import Plan
 from .progress import StageProgress, on_terminal
+from .report import write_report
+from .request_build import EngineRequest
+from .run_config import RunConfig, validate_config
+from .store import STATUS_COMPLETE, mark, write_results
+from .store_claim import claim_store
 from .tokens import TextTokenizer, TokenizerError
 
 
@@ -32,6 +38,7 @@ class Prepared:
     facts: ModelFacts
     plan: Plan
     tokenizer: TextTokenizer
+    kind: Kind
 
 
 def load_tokenizer(folder: Path, chat_template: bool) -> TextTokenizer:
@@ -50,16 +57,17 @@ def prepare(config: dict, base: Path | None = None) -> Prepared:
             folder = model_path(cfg.model.name)
         except FileNotFoundError as err:
             raise ConfigError.at("model.name", str(err)) from None
+    kind = kind_for(cfg)
     try:
         facts = ModelFacts.from_folder(folder)
         check_engine(cfg, facts)
         tokenizer = load_tokenizer(folder, cfg.prompts.chat_template)
-        plan = compile_plan(cfg, facts, tokenizer, base, embeddings=lambda ids: embedding_rows(folder, ids))
+        plan = kind.compile(cfg, facts, tokenizer, base, lambda ids: embedding_rows(folder, ids))
     except (UnsupportedModel, TokenizerError) as err:
         raise ConfigError.at(getattr(err, "key", None) or ("model.path" if cfg.model.path else "model.name"),
                              str(err)) from None
     check_plan_values(plan, cfg, facts)
-    return Prepared(cfg, facts, plan, tokenizer)
+    return Prepared(cfg, facts, plan, tokenizer, kind)
 
 
 def _runnable(request: EngineRequest, by_rid: dict, results: dict) -> bool:
@@ -94,10 +102,10 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
     (``store.Journal``) each finished unit is recorded, and units it already holds are taken from it instead of
     being run again; every unit then starts with an empty prefix cache, so a unit computes the same whether or not
     the ones before it ran in this process. A journaled unit that keeps values on the workers runs again (for the
-    values only) before the next unit that is not journaled."""
+    values only) before the next unit that is not journaled. ``Plan.derive_vectors`` is called once stage 0 has
+    finished (run or taken from the journal), and the vectors it gives are registered with the next requests that
+    run."""
     if not engine.supports(plan.engine_spec):
-        from .engine import EngineError
-
         raise EngineError("this engine was built for other interp sites than the plan needs")
     by_rid = {r.rid: r for r in plan.requests}
     results: dict = {}
@@ -155,9 +163,25 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
                 if progress is not None:
                     progress.close()
                 engine.release_sources(list(sources))
+            if stage == 0 and plan.derive_vectors is not None:
+                derived = plan.derive_vectors(results)
+                log(f"stage 0: {len(derived)} vectors derived from its results")
+                vectors = {**(vectors or {}), **derived}  # with the plan's own, if stage 0 ran none
     finally:
         engine.release_sources(list(plan.refs))
     return results
+
+
+def _companion(claim, folder: Path, write, ds: xr.Dataset, cfg: RunConfig, what: str, log) -> list[str]:
+    """Let the kind ``write`` (its ``figures`` or ``exports``) into ``folder`` beside the store, staged with it until
+    the store is complete (emptied first: a resumed run may find an earlier attempt's); the final paths of what it
+    wrote."""
+    staging = claim.target.staging(folder)
+    shutil.rmtree(staging, ignore_errors=True)
+    written = [str(folder / p.name) for p in write(ds, cfg, staging)]
+    if written:
+        log(f"{what}: {folder} ({len(written)} files)")
+    return written
 
 
 def default_store_path(run_dir: Path) -> Path:
@@ -180,7 +204,7 @@ def run(
     timings, t_plan = {}, time.perf_counter()
     prepared = prepare(config, base=Path.cwd())
     timings["plan_s"] = round(time.perf_counter() - t_plan, 2)
-    cfg, facts, plan = prepared.cfg, prepared.facts, prepared.plan
+    cfg, facts, plan, kind = prepared.cfg, prepared.facts, prepared.plan, prepared.kind
     spec = plan.engine_spec
     log(f"plan: {len(plan.requests)} requests in {plan.num_stages} stage(s), {len(plan.vectors)} vectors, "
         f"{len(spec.steer_sites)} steered / {len(spec.capture_sites)} captured / {len(spec.patch_sites)} patched "
@@ -199,8 +223,6 @@ def run(
     staged = claim.staged
     try:
         if engines is None:
-            from .engine import EnginePool
-
             engines = EnginePool(engine_factory)
         engines.log = log
         builds, t0 = engines.builds, time.perf_counter()
@@ -215,21 +237,15 @@ def run(
         timings["run_s"] = round(time.perf_counter() - t0, 2)
         log(f"ran in {timings['run_s']:.1f} s")
         t0 = time.perf_counter()
-        ds = results_dataset(plan, results, facts.hidden_size, prepared.tokenizer)
-        write_results(staged, ds)
+        write_results(staged, kind.dataset(plan, results, facts.hidden_size, prepared.tokenizer))
         timings["store_s"] = round(time.perf_counter() - t0, 2)
+        written = xr.open_zarr(str(staged), consolidated=False)  # figures and exports show what the store holds
         t0 = time.perf_counter()
-        figures = []
-        if plan.trace is not None and cfg.causal_trace.plots:
-            import xarray as xr
-
-            from .plots import write_figures
-
-            written = xr.open_zarr(str(staged), consolidated=False)  # the figures show what the store holds
-            figures_dir = claim.target.figures  # beside the store, moved there with it
-            figures = [str(figures_dir / p.name) for p in write_figures(written, claim.target.staging(figures_dir))]
-            log(f"figures: {figures_dir} ({len(figures)} files)")
+        figures = _companion(claim, claim.target.figures, kind.figures, written, cfg, "figures", log)
         timings["figures_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        exports = _companion(claim, claim.target.exports, kind.exports, written, cfg, "exports", log)
+        timings["exports_s"] = round(time.perf_counter() - t0, 2)
         mark(
             staged,
             STATUS_COMPLETE,
@@ -239,8 +255,10 @@ def run(
                     "builds_in_process": engines.builds, "runs_in_process": engines.runs,
                     **({} if reused or engines.startup is None else {"startup": engines.startup})},
             figures=figures,
+            exports=exports,
             timings=timings,
         )
+        write_report(staged, claim.target.staging(claim.target.report))  # of the complete store, moved with it
         claim.publish()
     except BaseException as err:
         claim.fail(err, finished_at=provenance.now())

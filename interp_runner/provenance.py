@@ -2,9 +2,9 @@
 
 Keys: ``config_yaml`` and ``config_sha256`` (the resolved config), ``run_key`` (its hash without the run-control
 keys ``resume``, ``dry_run`` and ``store.overwrite``: what a resumed run must match), ``command`` and ``overrides``,
-``experiment`` (name, version), ``experiments_dir`` (the package's ``experiments/`` folder, which
-``${experiments_dir:}`` in a config resolves to: a rerun elsewhere maps it to its own), ``package`` (version,
-git sha and dirty flag of the package's own checkout),
+``experiment`` (name, version), ``kind`` (the experiment kind that compiled the plan, ``interp_runner.kinds``),
+``experiments_dir`` (the package's ``experiments/`` folder, which ``${experiments_dir:}`` in a config resolves to: a
+rerun elsewhere maps it to its own), ``package`` (version, git sha and dirty flag of the package's own checkout),
 ``versions`` (python, vllm, torch, triton, transformers, zarr, xarray, numpy), ``model`` (path, architecture,
 weights sha256, the configured dtype, layers, hidden size), ``seeds``, ``requests_sha256``, ``plugin`` (fingerprint
 and sites), ``host`` (hostname, platform, GPUs, and ``cpu``: what picks the CPU kernels, ``kernel_path.cpu_info``),
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import yaml
 
-from .compiler import Plan
-from .config.schema import RunConfig
+from .config.schema import RunBase
 from .kernel_path import cpu_info
 from .models.facts import ModelFacts
 from .payload import plugin_fingerprint
+from .plan import Plan
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 PACKAGES = ("torch", "triton", "transformers", "zarr", "xarray", "numpy", "pydantic", "hydra-core")
@@ -89,7 +89,7 @@ def host() -> dict:
 
 
 def manifest(
-    config: dict, cfg: RunConfig, facts: ModelFacts, plan: Plan, overrides: list[str], started_at: str
+    config: dict, cfg: RunBase, facts: ModelFacts, plan: Plan, overrides: list[str], started_at: str
 ) -> dict:
     text = config_yaml(config)
     # the run-control keys say how to run, not what: a resumed or overwriting run is the same run
@@ -104,6 +104,7 @@ def manifest(
         "command": sys.argv,
         "overrides": list(overrides),
         "experiment": {"name": cfg.experiment.name, "version": cfg.experiment.version},
+        "kind": plan.kind,
         "experiments_dir": str(EXPERIMENTS_DIR),
         "package": {"name": "interp-runner", "version": importlib.metadata.version("interp-runner"), **git_state()},
         "versions": versions(),

@@ -4,13 +4,17 @@ For ``store.path`` = ``<parent>/<name>`` (``<stem>``: the name without its suffi
 
 - ``<parent>/<name>``: the store, put there (renamed) only once it is complete;
 - ``<parent>/<stem>.figures/``: its figures, moved there with it (the store's ``figures`` attribute lists them);
+- ``<parent>/<stem>.exports/``: files its kind writes for other tools (vectors as .safetensors / .gguf, ...), moved
+  there with it (its ``exports`` attribute lists them);
+- ``<parent>/<stem>.report.html``: its report (``interp_runner.report``), moved there with it;
 - ``<parent>/.<name>.partial/``: the run while it goes: ``<name>`` (the store, status ``running`` or ``failed``),
-  ``<stem>.figures/`` and ``journal/`` (``interp_runner.journal``); what ``resume=true`` continues;
+  ``<stem>.figures/``, ``<stem>.exports/``, ``<stem>.report.html`` and ``journal/`` (``interp_runner.journal``);
+  what ``resume=true`` continues;
 - ``<parent>/.<name>.lock``: the lock held for the whole run (``interp_runner.store_lock``).
 
 A run deletes or replaces nothing it did not create, unless ``store.overwrite`` is true: then an existing store
-at the path (with its figures) is replaced once the new one is complete, and an unfinished run's folder is
-discarded. Files that are not a store of this runner are never touched. Every check here runs before any engine
+at the path (with its figures and exports) is replaced once the new one is complete, and an unfinished run's folder
+is discarded. Files that are not a store of this runner are never touched. Every check here runs before any engine
 starts; a refusal is a ``ConfigError`` naming ``store.path`` (or ``resume``).
 """
 
@@ -64,9 +68,18 @@ class StoreTarget:
         return self.path.parent / (name if name != self.path.name else f"{name}.figures")
 
     @property
+    def exports(self) -> Path:
+        name = f"{Path(self.path.name).stem}.exports"
+        return self.path.parent / (name if name != self.path.name else f"{name}.exports")
+
+    @property
+    def report(self) -> Path:
+        return self.path.parent / f"{Path(self.path.name).stem}.report.html"
+
+    @property
     def companions(self) -> tuple[Path, ...]:
         """What goes beside the store and belongs to it."""
-        return (self.figures,)
+        return (self.figures, self.exports, self.report)
 
     def staging(self, final: Path) -> Path:
         """Where ``final`` (the store or a companion) is written until the store is complete."""

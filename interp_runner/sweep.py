@@ -1,12 +1,14 @@
 """Hydra multirun sweeps: an index of the jobs' stores in the sweep folder, and the whole sweep as one dataset.
 
 ``<sweep dir>/sweep.json``: ``{"jobs": [{"num", "overrides", "store", "status"}]}``, one entry per job, written
-under a file lock as each job ends (launchers may run jobs in parallel processes).
+under a file lock as each job ends (launchers may run jobs in parallel processes), and ``<sweep dir>/index.html``
+beside it, the page ``interp_runner.report.sweep_index`` makes of it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,23 @@ def record_job(sweep_dir: Path, num: int, overrides: list[str], store: Path | No
         tmp = index.with_suffix(".tmp")
         tmp.write_text(json.dumps({"jobs": jobs}, indent=1))
         tmp.replace(index)
+        try:  # a job's result never depends on its page: `interp-report SWEEP_DIR` writes it again
+            write_index_page(sweep_dir, jobs)
+        except Exception as err:
+            print(f"warning: the sweep's index page was not written ({type(err).__name__}: {err}); "
+                  f"`interp-report {sweep_dir}` writes it", file=sys.stderr)
+
+
+def read_jobs(sweep_dir: Path) -> list[dict]:
+    return json.loads((Path(sweep_dir) / INDEX).read_text())["jobs"]
+
+
+def write_index_page(sweep_dir: Path, jobs: list[dict] | None = None, out_path: Path | None = None) -> Path:
+    """``<sweep dir>/index.html`` (or ``out_path``) for ``jobs`` (default: those ``sweep.json`` lists)."""
+    from .report.sweep_index import write_sweep_index
+
+    jobs = read_jobs(sweep_dir) if jobs is None else jobs
+    return write_sweep_index(Path(sweep_dir), jobs, swept_parameters(jobs), out_path)
 
 
 def _relative(path: Path, base: Path) -> str:
@@ -60,7 +79,7 @@ def open_sweep(path):
     import xarray as xr
 
     sweep_dir = Path(path)
-    jobs = [j for j in json.loads((sweep_dir / INDEX).read_text())["jobs"] if j["status"] == "complete"]
+    jobs = [j for j in read_jobs(sweep_dir) if j["status"] == "complete"]
     if not jobs:
         raise FileNotFoundError(f"{sweep_dir / INDEX} lists no complete job")
     datasets = []

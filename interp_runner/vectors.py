@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from .config.errors import ConfigError
-from .config.schema import VectorSpec, resolve_path
+from .config.schema import DEFAULT_STORE_METHOD, VectorSpec, resolve_path
 
 
 def random_direction(seed: int, norm: float, size: int) -> np.ndarray:
@@ -15,12 +15,28 @@ def random_direction(seed: int, norm: float, size: int) -> np.ndarray:
     return (v / np.linalg.norm(v) * norm).astype(np.float32)
 
 
-def _load_file(path: Path, key: str | None, where: str) -> np.ndarray:
+def _load_control_vector(path: Path, layer: int, where: str) -> np.ndarray:
+    """llama.cpp's ``direction.<layer>``: what it adds to decoder layer ``layer``'s output (``post_block``)."""
+    from .control_vectors import ControlVectorError, read_gguf
+
+    try:
+        directions = read_gguf(path).directions
+    except ControlVectorError as err:
+        raise ConfigError.at(where + ".file", str(err)) from None
+    if layer not in directions:
+        raise ConfigError.at(where + ".layer", f"{path} has no direction for layer {layer} (has layers "
+                                               f"{sorted(directions)}; llama.cpp's control vectors start at 1)")
+    return directions[layer]
+
+
+def _load_file(path: Path, key: str | None, where: str, layer: int | None = None) -> np.ndarray:
     if not path.exists():
         raise ConfigError.at(where + ".file", f"vector file not found: {path}")
     if not path.is_file():
         raise ConfigError.at(where + ".file", f"{path} is a folder, not a file")
     suffix = path.suffix
+    if suffix == ".gguf":
+        return _load_control_vector(path, layer, where)
     if suffix == ".npy":
         try:
             return np.load(path, allow_pickle=False)
@@ -71,8 +87,13 @@ def load_vector(
         vec = np.asarray(spec.values, dtype=np.float64)
     elif spec.random is not None:
         vec = random_direction(spec.random.seed, spec.random.norm, hidden_size)
+    elif spec.store is not None:
+        from .vector_store import read_store_vector
+
+        vec = read_store_vector(resolve_path(spec.store, base), spec.method or DEFAULT_STORE_METHOD, spec.hook,
+                                spec.layer, where)
     else:
-        vec = _load_file(resolve_path(spec.file, base), spec.key, where)
+        vec = _load_file(resolve_path(spec.file, base), spec.key, where, spec.layer)
     vec = np.asarray(vec)
     if not np.issubdtype(vec.dtype, np.number):
         raise ConfigError.at(where, f"vector has non-numeric dtype {vec.dtype}")

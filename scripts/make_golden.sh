@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates the golden stores experiments/golden/<experiment>.zarr on tiny_random (`make golden`).
+# Regenerates the golden stores experiments/golden/<experiment>.zarr on tiny_random (`make golden`): one for each
+# experiments/golden/<experiment>.args, which lists the overrides it is made with (one a line, # comments).
 # `make verify` reruns each from its own provenance and compares: bit for bit where the machine's kernel path
 # (CPU model and ISA, threads, dtype, torch, vLLM) is the one recorded here, within measured tolerances elsewhere,
 # with generated tokens teacher-forced to the golden ones.
@@ -25,6 +26,7 @@ golden() {  # NAME OVERRIDES...: one store, Hydra's run folder thrown away
   du -sh "$GOLDEN/$name.zarr"
 }
 
-golden steering_smoke
-golden causal_trace causal_trace.num_facts=2 causal_trace.noise.samples=1 causal_trace.window=2 \
-  "causal_trace.layers=[0,3]" causal_trace.filter=false causal_trace.plots=false
+for args in "$GOLDEN"/*.args; do
+  mapfile -t overrides < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$args")
+  golden "$(basename "$args" .args)" "${overrides[@]}"
+done

@@ -10,7 +10,8 @@ import torch
 
 import hf_oracle
 from conftest import REPO, run_plan
-from interp_runner.causal_trace import ROLES, corrupt_rid, trace_dataset
+from interp_runner.kinds.trace_grids import ROLES, trace_dataset
+from interp_runner.kinds.trace_plan import corrupt_rid
 from interp_runner.config import ConfigError
 from interp_runner.pipeline import prepare
 from interp_runner.sites import site_id
@@ -50,7 +51,7 @@ def write_facts(tmp_path, rows) -> str:
 
 def test_the_grid_compiles_into_one_batched_stage():
     plan = prepare(trace_config(noise={"samples": 2}, layers=LAYERS)).plan
-    layout = plan.trace
+    layout = plan.layout
     cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
     tokens = sum(len(f.clean.token_ids) for f in layout.facts)
     assert len(cells) == 2 * 3 * len(LAYERS) * tokens  # samples x kinds x layers x tokens
@@ -145,11 +146,11 @@ def test_noise_scale_is_k_times_the_subject_embedding_std(smollm2_path):
     from interp_runner.models.facts import embedding_rows
 
     plan = prepare(trace_config(noise={"k": 3.0, "samples": 1, "seed": 4})).plan
-    layout = plan.trace
+    layout = plan.layout
     ids = [f.clean.token_ids[p] for f in layout.facts for p in f.subject_positions]
     want = 3.0 * np.std(embedding_rows(smollm2_path, ids), ddof=1)
     assert layout.noise_std == pytest.approx(want, rel=1e-6)
-    again = prepare(trace_config(noise={"k": 3.0, "samples": 1, "seed": 4})).plan.trace
+    again = prepare(trace_config(noise={"k": 3.0, "samples": 1, "seed": 4})).plan.layout
     np.testing.assert_array_equal(layout.noise[0], again.noise[0])  # seeded
     assert abs(np.std(layout.noise[0]) / want - 1) < 0.1
 
@@ -290,7 +291,7 @@ def test_trace_grid_matches_hf_hooks(smollm2_engine, smollm2_path, pack):
     config = trace_config(noise={"samples": 1, "seed": 1}, layers=layers, plots=False)
     plan, results = run_packed(smollm2_engine, config, pack)
     ds = trace_dataset(plan, results)
-    layout = plan.trace
+    layout = plan.layout
     assert not ds["filtered"].any() and ds.attrs["voided"] == []
     for fact in layout.facts:
         f = fact.index
@@ -332,7 +333,7 @@ def test_counterfactual_cells_restore_aligned_positions_only(tmp_path):
             "answer": " Paris", "corrupt_prompt": "The Great Wall is located in the city of"}  # 10 vs 9 tokens
     plan = prepare(trace_config(corruption="counterfactual", layers=[2], kinds=["resid"], num_facts=1,
                                 facts=write_facts(tmp_path, [fact]))).plan
-    (f,) = plan.trace.facts
+    (f,) = plan.layout.facts
     assert f.skipped == (1, 2) and f.corrupt_subject == (1, 2) and plan.skipped == ({"fact": 0, "positions": [1, 2]},)
     cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
     assert sorted(r.meta["token"] for r in cells) == [0, 3, 4, 5, 6, 7, 8]
@@ -359,7 +360,7 @@ def test_cells_pack_into_block_aligned_segments_after_their_shared_prefix(tmp_pa
 
     plan = prepare(trace_config("tiny_random", kinds=["resid"], layers=[1], noise={"samples": 1}, filter=False,
                                 num_facts=1, facts=long_fact(tmp_path, 18))).plan
-    n = len(plan.trace.facts[0].corrupt.token_ids)
+    n = len(plan.layout.facts[0].corrupt.token_ids)
     assert n > 130
     packed, single = pack_requests(plan.requests, block_size=32, max_tokens=1023)
     cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
@@ -368,7 +369,7 @@ def test_cells_pack_into_block_aligned_segments_after_their_shared_prefix(tmp_pa
     assert {r.meta.get("part") for r in single} >= {"clean", "corrupt"} and len(packed) > 4
     assert all(plan_cell.meta.get("part") == "cell" for p in packed for plan_cell in p.members)
     assert len(members) > 0.9 * len(cells)
-    prompt = list(plan.trace.facts[0].corrupt.token_ids)
+    prompt = list(plan.layout.facts[0].corrupt.token_ids)
     for p in packed:
         payload = p.sampling["extra_args"]["interp"]
         layout = payload["cells"]
@@ -421,7 +422,7 @@ def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path, monkeypatch)
     assert cells_submitted.index("get_output") < last_add  # a step ran before the last cells were submitted
     for rid, result in early.items():
         np.testing.assert_allclose(result.score["logprobs"], results[True][rid].score["logprobs"], atol=1e-4, rtol=0)
-    n = len(plan.trace.facts[0].corrupt.token_ids)
+    n = len(plan.layout.facts[0].corrupt.token_ids)
     assert n > 256  # cells share prefixes of one and two CPU blocks (128 tokens)
     cells = [r.rid for r in plan.requests if r.meta.get("part") == "cell"]
     assert len(cells) == 2 * 2 * 2 * n

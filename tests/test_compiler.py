@@ -11,11 +11,13 @@ import torch
 from safetensors.numpy import save_file
 
 from conftest import base_config
-from interp_runner.compiler import compile_plan, parse_layers, parse_prompts
-from interp_runner.config import ConfigError, validate_config
+from interp_runner.config import ConfigError
+from interp_runner.kinds import kind_for
 from interp_runner.models.facts import ModelFacts
 from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, unpack_positions, vector_key
 from interp_runner.pipeline import load_tokenizer, prepare
+from interp_runner.run_config import validate_config
+from interp_runner.selectors import parse_layers, parse_prompts
 from interp_runner.sites import HOOKS, site_id
 from interp_runner.vectors import random_direction
 
@@ -37,7 +39,8 @@ def tokenize(tiny_path):
 @pytest.fixture(scope="module")
 def compile_(facts, tokenize):
     def compile_config(config: dict, base=None):
-        return compile_plan(validate_config(config), facts, tokenize, base)
+        cfg = validate_config(config)
+        return kind_for(cfg).compile(cfg, facts, tokenize, base, None)
 
     return compile_config
 

@@ -19,8 +19,9 @@ import torch
 from safetensors.numpy import save_file
 
 from conftest import REPO, base_config
-from interp_runner.config import ConfigError, validate_config
+from interp_runner.config import ConfigError
 from interp_runner.pipeline import prepare
+from interp_runner.run_config import validate_config
 
 HIDDEN = 128  # tiny_random
 V = [0.25] * HIDDEN
@@ -121,7 +122,7 @@ def test_two_sources_for_one_vector():
 
 
 def test_no_source_for_a_vector():
-    assert_problem(steer_global({}), VEC, "exactly one of values, file, name, random (got none)")
+    assert_problem(steer_global({}), VEC, "exactly one of values, file, name, random, store (got none)")
 
 
 def test_key_without_file():

@@ -42,11 +42,11 @@ def test_packed_cells_match_cells_alone_and_hf(trace_engine, smollm2_path):
     for pack in (True, False):
         plan, runs[pack] = run_packed(trace_engine, config, pack)
     cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
-    for fact in plan.trace.facts:
+    for fact in plan.layout.facts:
         ids, subject = list(fact.clean.token_ids), list(fact.subject_positions)
         mine = [r for r in cells if r.meta["fact"] == fact.index]
         keys = [(r.meta["kind"], r.meta["layer"], r.meta["token"]) for r in mine]
-        noise = plan.trace.noise[fact.index][0]
+        noise = plan.layout.noise[fact.index][0]
         want, _ = hf_trace(smollm2_path, ids, subject, noise, fact.clean.answer_ids[0], keys)
         got = {pack: np.array([float(runs[pack][r.rid].score["logprobs"][0]) for r in mine]) for pack in runs}
         errors = {"packed": float(np.abs(got[True] - want).max()), "alone": float(np.abs(got[False] - want).max()),

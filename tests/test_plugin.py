@@ -235,6 +235,66 @@ def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fi
     wave(["v3"])  # evicted: computed again, with the right values
 
 
+def test_a_vector_registered_again_with_new_values_is_never_served_from_an_idle_slot():
+    """A reused engine (a sweep's next job) may register a vector under a name it already holds: steering with it
+    takes the new values, not the slot the old ones left in the table."""
+    import numpy as np
+
+    from interp_runner.payload import DECODE, PREFILL
+
+    hidden, site = 16, 4
+    state = _planner(hidden, (site,))
+    old, new = (np.full(hidden, v, np.float32) for v in (1.0, -2.0))
+
+    def steered_with(name: str, job: int) -> np.ndarray:
+        requests = {f"r{job}": _request({"rid": f"r{job}", "steer": [[site, PREFILL | DECODE, name, 1.0]]}, 1)}
+        state.before_forward(_runner(requests, [(f"r{job}", 0, 1)]), 1)
+        value = state.steering.table[0, state.steering.row_slot.numpy()[0]].numpy().copy()
+        state.after_forward()
+        state.forget_finished({})
+        return value
+
+    state.register_vectors({"v": old.tobytes()})
+    np.testing.assert_array_equal(steered_with("v", 0), old)
+    state.register_vectors({"v": old.tobytes()})  # the same values: the idle slot is still right
+    np.testing.assert_array_equal(steered_with("v", 1), old)
+    state.register_vectors({"v": new.tobytes()})
+    np.testing.assert_array_equal(steered_with("v", 2), new)
+
+
+def test_finished_requests_free_their_bank_rows_before_the_runner_drops_them():
+    """The runner drops a finished request at its next step; a reused engine may register the next run's sources
+    before taking one, so the rows a request kept are freed once the engine reports it finished."""
+    from unittest import mock
+
+    import numpy as np
+    import torch
+    import vllm.distributed
+
+    from interp_runner.payload import pack_positions, ref_key
+    from interp_runner.plugin import runtime
+
+    cfg = NS(model_config=NS(hf_text_config=NS(hidden_size=4), dtype=torch.float32),
+             scheduler_config=NS(max_num_batched_tokens=64, max_num_seqs=8))
+    with mock.patch.object(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 0):
+        state = runtime.InterpState(cfg, {"plugin": "test", "steer_sites": [], "capture_sites": [4],
+                                          "patch_sites": [4], "bank_rows": 4})
+    keep = {"run": "clean", "groups": [[[4], pack_positions(range(4))]]}
+    requests = {"clean-0001": _request({"rid": "clean", "keep": keep}, 4)}
+    state.before_forward(_runner(requests, [("clean-0001", 0, 4)]), 4)
+    state.after_forward()
+    kept = [ref_key("clean", 4, p) for p in range(4)]
+    assert sorted(state.patch_bank.rows) == sorted(kept)
+    state.collect(["clean"])
+    state.release_sources(kept)  # the run's end: released, but the runner still holds the request
+    assert len(state.patch_bank.rows) == 4
+    with np.testing.assert_raises_regex(RuntimeError, "bank is full"):
+        state.register_sources({"next": np.ones(4, np.float32).tobytes()})
+    state.finished(["clean"])  # what ``interp_collect`` does for the requests it collects
+    assert state.patch_bank.rows == {}
+    state.register_sources({"next": np.ones(4, np.float32).tobytes()})
+
+
 def test_overlapping_capture_specs_copy_each_row_once_even_in_a_step_of_one_request():
     """Two capture specs of one request naming the same site and position (``last_prompt`` and ``all_prompt``,
     say) in a step that holds only that request's prompt: every position comes back with its own row's value."""

@@ -78,5 +78,5 @@ def test_a_run_logs_progress_and_records_its_phases(tmp_path):
     attrs = dict(zarr.open_group(str(store), mode="r").attrs)
     startup = attrs["engine"]["startup"]
     assert startup["compiled"] is False and startup["total_s"] > 0 and "load_s" in startup
-    assert set(attrs["timings"]) == {"plan_s", "engine_s", "run_s", "store_s", "figures_s"}
+    assert set(attrs["timings"]) == {"plan_s", "engine_s", "run_s", "store_s", "figures_s", "exports_s"}
     assert "\r" not in out

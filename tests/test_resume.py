@@ -103,7 +103,9 @@ def test_a_store_of_another_run_is_never_resumed_into(tmp_path):
     # the same store as another run's unfinished one
     target = StoreTarget.at(store)
     target.work.mkdir()
-    store.rename(target.staged)
+    for final in (store, *target.companions):
+        if final.exists():
+            final.rename(target.staging(final))
     zarr.open_group(str(target.staged), mode="r+").attrs["status"] = "running"
     again = interp_run(*smoke, "sampling.max_tokens=3", f"store.path={store}", f"hydra.run.dir={tmp_path / 'b'}",
                        "resume=true")

@@ -14,6 +14,7 @@ import zarr
 from conftest import base_config
 from interp_runner import provenance
 from interp_runner.engine import RequestResult
+from interp_runner.kinds.prompts import KIND as PROMPTS
 from interp_runner.pipeline import prepare, run
 from interp_runner.sites import site_id
 from interp_runner.store import (
@@ -22,7 +23,6 @@ from interp_runner.store import (
     STATUS_RUNNING,
     mark,
     open_store,
-    results_dataset,
     write_results,
 )
 from interp_runner.store_claim import StoreTarget
@@ -111,7 +111,7 @@ def written(prepared, tmp_path_factory):
     open_store(path, manifest)
     statuses.append(dict(zarr.open_group(str(path), mode="r").attrs)["status"])
     # the engine hands results back in completion order, not prompt order
-    write_results(path, results_dataset(prepared.plan, {r.rid: r for r in results[::-1]}, HIDDEN))
+    write_results(path, PROMPTS.dataset(prepared.plan, {r.rid: r for r in results[::-1]}, HIDDEN))
     statuses.append(dict(zarr.open_group(str(path), mode="r").attrs)["status"])
     mark(path, STATUS_COMPLETE, finished_at=provenance.now())
     statuses.append(dict(zarr.open_group(str(path), mode="r").attrs)["status"])
@@ -261,12 +261,27 @@ def test_open_store_never_replaces_a_store(tmp_path, prepared):
     manifest = make_manifest(prepared, store_config())
     results, _ = fake_results(prepared.plan)
     open_store(path, manifest)
-    write_results(path, results_dataset(prepared.plan, {r.rid: r for r in results}, HIDDEN))
+    write_results(path, PROMPTS.dataset(prepared.plan, {r.rid: r for r in results}, HIDDEN))
     mark(path, STATUS_COMPLETE)
     with pytest.raises(Exception, match="already contains data"):
         open_store(path, manifest)
     assert dict(zarr.open_group(str(path), mode="r").attrs)["status"] == STATUS_COMPLETE
     assert len(list(zarr.open_group(str(path), mode="r").array_keys())) > 5
+
+
+def test_results_written_again_replace_an_earlier_attempts(tmp_path, prepared):
+    """A resumed run whose figures failed after its arrays were written writes them again: they replace the
+    earlier ones, and the manifest stays."""
+    path = tmp_path / "r.zarr"
+    manifest = make_manifest(prepared, store_config())
+    results, _ = fake_results(prepared.plan)
+    open_store(path, manifest)
+    first = PROMPTS.dataset(prepared.plan, {r.rid: r for r in results}, HIDDEN)
+    write_results(path, first.assign(extra=first["num_generated"] * 0))
+    write_results(path, first)
+    again = xr.open_zarr(str(path), consolidated=False)
+    assert "extra" not in again and again.attrs["requests_sha256"] == manifest["requests_sha256"]
+    xr.testing.assert_identical(again.drop_attrs().load(), first.drop_attrs())
 
 
 class FailingEngine:
@@ -340,7 +355,8 @@ def test_pipeline_with_fake_engine_completes(tmp_path):
 
     assert run(config, tmp_path / "run", engine_factory=FakeEngine, log=lambda _: None) == store
     assert seen["status"] == STATUS_RUNNING and not seen["published"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.zarr"]  # the unfinished run and the lock are gone
+    # the store and its report; the unfinished run and the lock are gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.report.html", "ok.zarr"]
     attrs = dict(zarr.open_group(str(store), mode="r").attrs)
     assert attrs["status"] == STATUS_COMPLETE and "error" not in attrs
     assert attrs["engine"].items() >= {"dtype": "float32", "plugin_status": {"loaded": True}, "reused": False,

@@ -114,7 +114,7 @@ def test_overwrite_replaces_a_store_and_its_figures_only_once_the_new_one_is_com
     new = dict(zarr.open_group(str(target), mode="r").attrs)
     assert new["status"] == "complete" and new["started_at"] != old["started_at"]
     assert xr.open_zarr(str(target), consolidated=False).sizes["generated"] == 2
-    assert sorted(p.name for p in area.iterdir()) == ["notes.txt", "results.zarr"]
+    assert sorted(p.name for p in area.iterdir()) == ["notes.txt", "results.report.html", "results.zarr"]
     assert (area / "notes.txt").read_text() == "beside the store, not its own"
 
 
@@ -142,6 +142,73 @@ def test_figures_without_their_store_are_refused(tmp_path, area):
     before = snapshot(area)
     assert_refused(smoke(tmp_path, f"store.path={area / 'results.zarr'}"), "store.path", "results.figures exists")
     assert snapshot(area) == before
+
+
+def test_exports_without_their_store_are_refused(tmp_path, area):
+    (area / "results.exports").mkdir()
+    (area / "results.exports" / "mine.safetensors").write_bytes(b"a vector")
+    before = snapshot(area)
+    assert_refused(smoke(tmp_path, f"store.path={area / 'results.zarr'}"), "store.path", "results.exports exists")
+    assert snapshot(area) == before
+
+
+@pytest.mark.engine
+def test_overwrite_replaces_a_store_and_its_exports_only_once_the_new_one_is_complete(tmp_path, area):
+    target = area / "results.zarr"
+    old = golden_copy(target)
+    (area / "results.exports").mkdir()
+    (area / "results.exports" / "old.gguf").write_bytes(b"old vector")
+    proc = smoke(tmp_path, f"store.path={target}", "store.overwrite=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "store.overwrite: replaced" in proc.stdout and "results.exports" in proc.stdout
+    new = dict(zarr.open_group(str(target), mode="r").attrs)
+    assert new["status"] == "complete" and new["started_at"] != old["started_at"] and new["exports"] == []
+    assert not (area / "results.exports").exists()  # the old store's, gone with it; this run exported nothing
+
+
+def exporting(monkeypatch, fails: bool = False) -> None:
+    """The prompts kind, made to export one file (and then, with ``fails``, to fail)."""
+    from interp_runner.kinds.prompts import PromptsKind
+
+    def exports(self, ds, cfg, out_dir):
+        out_dir.mkdir(parents=True)
+        (out_dir / "vectors.safetensors").write_bytes(f"{ds.sizes['request']} requests".encode())
+        if fails:
+            raise RuntimeError("export failed")
+        return [out_dir / "vectors.safetensors"]
+
+    monkeypatch.setattr(PromptsKind, "exports", exports)
+
+
+def test_exports_are_staged_with_the_store_and_moved_beside_it(tmp_path, monkeypatch):
+    exporting(monkeypatch)
+    config = store_config(store={"path": str(tmp_path / "results.zarr")})
+    target = StoreTarget.at(tmp_path / "results.zarr")
+    logged = []
+    run(config, tmp_path, engine_factory=engine_serving(config), log=logged.append)
+    exported = tmp_path / "results.exports" / "vectors.safetensors"
+    assert exported.read_bytes() == b"3 requests"
+    attrs = dict(zarr.open_group(str(target.path), mode="r").attrs)
+    assert attrs["exports"] == [str(exported)] and attrs["kind"] == "prompts"
+    assert any(line.startswith(f"exports: {tmp_path / 'results.exports'} (1 files)") for line in logged)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "results.report.html") == [
+        "results.exports", "results.zarr"]
+
+
+def test_exports_of_a_failed_run_never_reach_the_store_path(tmp_path, monkeypatch):
+    exporting(monkeypatch, fails=True)
+    config = store_config(store={"path": str(tmp_path / "results.zarr")})
+    target = StoreTarget.at(tmp_path / "results.zarr")
+    with pytest.raises(RuntimeError, match="export failed"):
+        run(config, tmp_path, engine_factory=engine_serving(config), log=lambda _: None)
+    assert not target.exports.exists() and not target.path.exists()
+    assert dict(zarr.open_group(str(target.staged), mode="r").attrs)["status"] == "failed"
+    assert (target.staging(target.exports) / "vectors.safetensors").exists()  # only in the unfinished run
+    exporting(monkeypatch)
+    replaced = {**config, "store": {**config["store"], "overwrite": True}}
+    run(replaced, tmp_path, engine_factory=engine_serving(replaced), log=lambda _: None)
+    assert (target.exports / "vectors.safetensors").read_bytes() == b"3 requests"
+    assert not target.work.exists()
 
 
 @pytest.mark.parametrize("what", ["user folder", "nothing", "complete store"])
@@ -194,7 +261,7 @@ def test_two_runs_into_one_store_path(tmp_path, area):
     assert first.returncode == 0, (tmp_path / "first.err").read_text()[-3000:]
     assert_refused(second, "store.path", "in use by another run", f"pid {first.pid} ")
     assert dict(zarr.open_group(str(target), mode="r").attrs)["status"] == "complete"
-    assert sorted(p.name for p in area.iterdir()) == ["results.zarr"]  # the lock went with the run
+    assert sorted(p.name for p in area.iterdir()) == ["results.report.html", "results.zarr"]  # the lock went
 
 
 def test_the_stale_lock_of_a_killed_process_is_broken(tmp_path, area):
@@ -265,7 +332,7 @@ def test_an_unfinished_run_is_refused_until_resumed_or_overwritten(unfinished, t
     replaced = {**config, "store": {**config["store"], "overwrite": True}}
     run(replaced, tmp_path, engine_factory=engine_serving(replaced), log=logged.append)
     assert any(f"store.overwrite: discarded the unfinished run at {target.work}" in line for line in logged)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.zarr"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.report.html", "results.zarr"]
 
 
 def test_a_resumed_run_takes_its_journal_and_ends_like_an_uninterrupted_one(unfinished, tmp_path):
@@ -273,7 +340,7 @@ def test_a_resumed_run_takes_its_journal_and_ends_like_an_uninterrupted_one(unfi
     logged = resume(config, engine_serving(config))
     assert any(line.startswith(f"resuming {target.path}: 1 unit(s) already done") for line in logged)
     assert any("stage 0 unit 0: taken from the journal" in line for line in logged)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.zarr"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.report.html", "results.zarr"]
     whole = {**config, "store": {**config["store"], "path": str(tmp_path / "whole" / "results.zarr")}}
     run(whole, tmp_path / "whole", engine_factory=engine_serving(whole), log=lambda _: None)
     xr.testing.assert_equal(xr.open_zarr(str(target.path), consolidated=False),

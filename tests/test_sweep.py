@@ -35,6 +35,12 @@ def test_multirun_reuses_the_engine_until_its_settings_change(tmp_path):
     assert [e["builds_in_process"] for e in engines] == [1, 1, 2, 2]
     assert [e["reused"] for e in engines] == [False, True, False, True]
     assert proc.stdout.count("engine reused") == 2 and proc.stdout.count("engine started") == 2
+    # the sweep's page links every job's report (written beside its store); two overrides differ: no plot
+    index = (sweep / "index.html").read_text()
+    for job in jobs:
+        assert f'<a href="{job["num"]}/results.report.html">' in index
+        assert (sweep / str(job["num"]) / "results.report.html").is_file()
+    assert "<img" not in index and "no single parameter to plot against" in index
 
     ds = interp_runner.open_sweep(sweep)
     assert ds.sizes["job"] == 4 and list(ds["job_num"].values) == [0, 1, 2, 3]
@@ -45,6 +51,26 @@ def test_multirun_reuses_the_engine_until_its_settings_change(tmp_path):
     assert (generated[[0, 2]] == 3).all() and (generated[[1, 3]] == 5).all()
     # a reused engine gives what a fresh one gives
     np.testing.assert_array_equal(ds["tokens"].values[0], ds["tokens"].values[2])
+
+
+@pytest.mark.engine
+def test_a_causal_trace_sweep_on_one_engine_gives_what_fresh_engines_give(tmp_path):
+    """The second job reuses the first's engine: the values its clean runs kept on the workers are freed for it,
+    and its cells equal those of a run on an engine of its own."""
+    trace = ("+experiment=causal_trace", "model=tiny_random", "engine=eager", "causal_trace.num_facts=1",
+             "causal_trace.noise.samples=1", "causal_trace.window=2", "causal_trace.filter=false",
+             "causal_trace.plots=false")
+    sweep = tmp_path / "sweep"
+    proc = interp_run("-m", *trace, "causal_trace.noise.k=1,2", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("engine reused") == 1
+    alone = tmp_path / "alone.zarr"
+    solo = interp_run(*trace, "causal_trace.noise.k=2", f"store.path={alone}", f"hydra.run.dir={tmp_path / 'solo'}")
+    assert solo.returncode == 0, solo.stderr[-3000:]
+    reused, fresh = (zarr.open_group(str(p), mode="r") for p in (sweep / "1" / "results.zarr", alone))
+    assert reused.attrs["engine"]["reused"] is True
+    for name in ("restored_logprob_samples", "corrupt_logprob_samples", "clean_logit_diff"):
+        np.testing.assert_array_equal(reused[name][...], fresh[name][...], err_msg=name)
 
 
 @pytest.mark.engine

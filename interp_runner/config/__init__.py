@@ -1,6 +1,7 @@
-"""Configuration: pydantic schema of a run and its validation errors (no Hydra in here)."""
+"""Configuration: the pydantic schema of the keys every run has, and validation errors that name the key (no Hydra
+in here). The whole run config, with a section per experiment kind, is ``interp_runner.run_config``."""
 
-from .errors import ConfigError, validate_config
-from .schema import RunConfig
+from .errors import ConfigError
+from .schema import RunBase
 
-__all__ = ["ConfigError", "RunConfig", "validate_config"]
+__all__ = ["ConfigError", "RunBase"]

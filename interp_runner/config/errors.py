@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import ValidationError
-
-from .schema import RunConfig
 
 EXIT_CODE = 2
 
@@ -57,10 +53,3 @@ def problems_of(err: ValidationError, prefix: str = "") -> list[tuple[str, str]]
         for path, reason in sorted(problems.items())
         if not any(other != path and other.startswith((path + ".", path + "[")) for other in problems)
     ]
-
-
-def validate_config(data: dict[str, Any]) -> RunConfig:
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(problems_of(err)) from None

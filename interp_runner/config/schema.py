@@ -1,32 +1,36 @@
 """The run configuration as the user writes it (after Hydra composition), validated by pydantic.
 
-Checks that need the model (layer ranges, hidden size, prompt lengths) live in the compiler; everything here is
-about the shape of the config itself. All models are frozen, refuse unknown keys and convert nothing: a "3" is no
-int, a 1.5 no int, a true no number. Every float must be finite, and those the engine computes with must stay
-finite (and, where they must be positive, nonzero) as float32.
+Checks that need the model (layer ranges, hidden size, prompt lengths) live in the experiment kinds' ``compile``;
+everything here is about the shape of the config itself. All models are frozen, refuse unknown keys and convert
+nothing: a "3" is no int, a 1.5 no int, a true no number. Every float must be finite, and those the engine computes
+with must stay finite (and, where they must be positive, nonzero) as float32.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator,
+    AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, create_model, field_validator,
+    model_validator,
 )
 
-Hook = Literal["pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"]
+from ..sites import HOOKS, RESIDUAL_HOOKS
+
+Hook = Literal[HOOKS]
+ResidualHook = Literal[tuple(h for h in HOOKS if h in RESIDUAL_HOOKS)]
 # a layer selector: 3, [1, 5], "all", "2:6" (half-open range)
 IndexList = Annotated[list[StrictInt], Field(min_length=1)]
 LayerSelector = Union[StrictInt, IndexList, str]
 # a prompt selector: 0, [0, 2], "all"
 PromptSelector = Union[StrictInt, IndexList, Literal["all"]]
-VECTOR_SUFFIXES = (".npy", ".safetensors", ".pt", ".pth")
+VECTOR_SUFFIXES = (".npy", ".safetensors", ".pt", ".pth", ".gguf")
 STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
-def _distinct(values: list, info: ValidationInfo) -> list:
+def distinct(values: list, info: ValidationInfo) -> list:
     if len(values) != len(set(values)):
         raise ValueError(f"{info.field_name} repeat: {values}")
     return values
@@ -60,15 +64,24 @@ class RandomDirection(Strict):
     norm: PositiveFloat32 = 1.0
 
 
+DEFAULT_STORE_METHOD = "mean_diff"
+
+
 class VectorSpec(Strict):
-    """Exactly one source: inline values, a file (.npy/.safetensors/.pt, ``key`` picks a tensor), a named
-    vector declared under ``vectors:``, or a seeded random direction."""
+    """Exactly one source: inline values, a file (.npy/.safetensors/.pt, ``key`` picks a tensor; a llama.cpp
+    control vector .gguf, ``layer`` picks its ``direction.<layer>``), a named vector declared under ``vectors:``,
+    a seeded random direction, or a vector a ``steering_vectors`` run derived (``store`` with ``hook``, ``layer``
+    and ``method``, default mean_diff)."""
 
     values: list[Float32] | None = None
     file: str | None = None
     key: str | None = None
     name: str | None = None
     random: RandomDirection | None = None
+    store: str | None = Field(None, min_length=1)
+    method: str | None = Field(None, min_length=1)
+    hook: Hook | None = None
+    layer: int | None = Field(None, ge=0)  # 0-based decoder layer
 
     @model_validator(mode="before")
     @classmethod
@@ -81,13 +94,23 @@ class VectorSpec(Strict):
 
     @model_validator(mode="after")
     def _one_source(self) -> VectorSpec:
-        given = [f for f in ("values", "file", "name", "random") if getattr(self, f) is not None]
+        given = [f for f in ("values", "file", "name", "random", "store") if getattr(self, f) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of values, file, name, random (got {given or 'none'})")
-        if self.key is not None and (self.file is None or self.file.endswith(".npy")):
+            raise ValueError(f"give exactly one of values, file, name, random, store (got {given or 'none'})")
+        gguf = self.file is not None and self.file.endswith(".gguf")
+        if self.key is not None and (self.file is None or self.file.endswith((".npy", ".gguf"))):
             raise ValueError("'key' only applies to a .safetensors or .pt file")
         if self.file is not None and not self.file.endswith(VECTOR_SUFFIXES):
             raise ValueError(f"{self.file!r}: a vector file is one of {', '.join(VECTOR_SUFFIXES)}")
+        if self.store is None and (self.hook is not None or self.method is not None):
+            raise ValueError("'hook' and 'method' only apply to a 'store'")
+        if self.layer is not None and self.store is None and not gguf:
+            raise ValueError("'layer' only applies to a 'store' or a .gguf control vector file")
+        if self.store is not None and (self.hook is None or self.layer is None):
+            raise ValueError("a 'store' vector needs 'hook' and 'layer' (and 'method', default mean_diff)")
+        if gguf and self.layer is None:
+            raise ValueError(f"{self.file!r}: say which of its direction.N with 'layer' (the decoder layer N whose "
+                             "output llama.cpp adds it to)")
         return self
 
 
@@ -100,25 +123,21 @@ class SteerTerm(Strict):
 Terms = Union[SteerTerm, list[SteerTerm]]
 
 
-class Tier(Strict):
-    """Steering terms per hook point."""
-
-    pre_attn: Terms | None = None
-    attn_out: Terms | None = None
-    post_attn: Terms | None = None
-    mlp_out: Terms | None = None
-    post_block: Terms | None = None
-
+class _TierTerms(Strict):
     def terms(self) -> list[tuple[str, int | None, SteerTerm]]:
         """(hook, index within the hook's list or None, term) in hook order."""
         out = []
-        for hook in ("pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"):
+        for hook in HOOKS:
             value = getattr(self, hook)
             if isinstance(value, SteerTerm):
                 out.append((hook, None, value))
             elif value is not None:
                 out.extend((hook, i, t) for i, t in enumerate(value))
         return out
+
+
+# steering terms per hook point: one optional key per hook
+Tier = create_model("Tier", __base__=_TierTerms, **{hook: (Optional[Terms], None) for hook in HOOKS})
 
 
 class Tiers(Strict):
@@ -143,7 +162,7 @@ CapturePositions = Union[Literal["last_prompt", "all_prompt", "all_generated", "
 
 class CaptureSpec(Strict):
     name: Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")] = "acts"
-    hooks: Annotated[list[Hook], Field(min_length=1), AfterValidator(_distinct)]
+    hooks: Annotated[list[Hook], Field(min_length=1), AfterValidator(distinct)]
     layers: LayerSelector = "all"
     positions: CapturePositions = "last_prompt"
     prompts: PromptSelector = "all"
@@ -176,19 +195,6 @@ class PromptRow(PromptItem):
                 raise ValueError("give 'text' or 'prompt', not both")
             data = {("text" if k == "prompt" else k): v for k, v in data.items()}
         return data
-
-
-class FactRow(BaseModel):
-    """A line of a causal-trace facts file; other keys (``relation``, ...) are metadata."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
-
-    id: str | None = Field(None, min_length=1)
-    subject: str = Field(min_length=1)
-    prompt: str = Field(min_length=1)
-    answer: str = Field(min_length=1)
-    foil: str | None = Field(None, min_length=1)
-    corrupt_prompt: str | None = Field(None, min_length=1)
 
 
 class Prompts(Strict):
@@ -238,28 +244,6 @@ class PatchSpec(Strict):
 
 class Scoring(Strict):
     first_token: bool = False  # score the first token of a multi-token answer instead of refusing it
-
-
-class Noise(Strict):
-    k: PositiveFloat32 = 3.0  # std = k * std of the subjects' token embeddings
-    samples: int = Field(3, ge=1)
-    seed: Seed = 0
-
-
-class CausalTrace(Strict):
-    """ROME-style causal tracing over a JSONL of facts: {id, subject, prompt, answer[, foil, corrupt_prompt]}."""
-
-    facts: str
-    num_facts: int | None = Field(None, ge=1)  # the first N facts
-    corruption: Literal["noise", "counterfactual"] = "noise"
-    noise: Noise = Noise()
-    kinds: Annotated[list[Literal["resid", "mlp", "attn"]], Field(min_length=1), AfterValidator(_distinct)] = [
-        "resid", "mlp", "attn"]
-    resid_hook: Literal["pre_attn", "post_attn", "post_block"] = "post_block"
-    window: int = Field(10, ge=1)
-    layers: LayerSelector = "all"  # restored layers (window centres for mlp/attn)
-    filter: bool = True  # drop facts whose clean prediction is not the answer (ROME), listing them
-    plots: bool = True
 
 
 class Sampling(Strict):
@@ -337,7 +321,11 @@ class ExperimentMeta(Strict):
     description: str = ""
 
 
-class RunConfig(Strict):
+class RunBase(Strict):
+    """The keys of every run config: the prompts kind's (prompts, steering, capture, patching, ...) and the run's own.
+    The run config (``interp_runner.run_config.RunConfig``) adds one optional section per registered experiment
+    kind (``interp_runner.kinds``)."""
+
     experiment: ExperimentMeta = ExperimentMeta()
     model: ModelConfig
     engine: EngineConfig = EngineConfig()
@@ -348,20 +336,9 @@ class RunConfig(Strict):
     capture: list[CaptureSpec] = []
     patching: list[PatchSpec] = []
     scoring: Scoring = Scoring()
-    causal_trace: CausalTrace | None = None
     store: StoreConfig = StoreConfig()
     dry_run: bool = False
     resume: bool = False  # continue the unfinished store at store.path: run only the units it lacks
-
-    @model_validator(mode="after")
-    def _trace_runs_alone(self) -> RunConfig:
-        if self.causal_trace is not None:
-            for key in ("steering", "capture", "patching"):
-                if getattr(self, key) != type(self).model_fields[key].default:
-                    raise ValueError(f"'{key}' cannot be combined with 'causal_trace'")
-            if self.prompts.items or self.prompts.file:
-                raise ValueError("'prompts' cannot be combined with 'causal_trace' (its facts are the prompts)")
-        return self
 
     @field_validator("capture")
     @classmethod

@@ -215,11 +215,22 @@ class InterpState:
     def forget_finished(self, live_requests) -> None:
         for rid in [r for r in self.requests if r not in live_requests]:
             self._packed.discard(rid)
-            plan = self.requests.pop(rid)
-            if plan is not None:
-                self.patch_bank.finish(plan.bank_keys, plan.streams)
-                if plan.steer_key is not None:
-                    self.steering.release(plan.steer_key)
+            self._release(self.requests.pop(rid))
+
+    def finished(self, rids: list[str]) -> None:
+        """Requests the engine reported finished: what they hold is freed now, not when the runner drops them (at
+        its next step, which a reused engine may not take before the next run registers its sources)."""
+        done = set(rids)
+        for rid, plan in self.requests.items():
+            if plan is not None and plan.rid in done:
+                self.requests[rid] = None  # nothing left to apply, should a step still hold it
+                self._release(plan)
+
+    def _release(self, plan: RequestPlan | None) -> None:
+        if plan is not None:
+            self.patch_bank.finish(plan.bank_keys, plan.streams)
+            if plan.steer_key is not None:
+                self.steering.release(plan.steer_key)
 
     # -- per step -----------------------------------------------------------------------------------
     def plan_sequences(self, view: RunnerView) -> None:

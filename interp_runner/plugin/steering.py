@@ -64,8 +64,16 @@ class SteeringTable:
             vec = np.frombuffer(data, dtype=np.float32)
             if vec.shape != (self.hidden_size,):
                 raise ValueError(f"vector {key}: length {vec.size}, model hidden size {self.hidden_size}")
-            if key not in self.vectors:
-                self._fold(b"vector", np.frombuffer(key.encode(), dtype=np.uint8), vec)
+            old = self.vectors.get(key)
+            if old is not None and np.array_equal(old, vec):
+                continue
+            if old is not None:  # new values under a known name: no idle slot may keep the old ones
+                if any(key == vkey for steering in self._in_use for _, _, vkey, _ in steering):
+                    raise RuntimeError(f"steering vector {key} changed while requests steer with it")
+                for stale in [k for k in self._idle if any(key == vkey for _, _, vkey, _ in k)]:
+                    pair = self._idle.pop(stale)
+                    self._free_slots.extend((pair.prefill, pair.decode))
+            self._fold(b"vector", np.frombuffer(key.encode(), dtype=np.uint8), vec)
             self.vectors[key] = vec
         return len(self.vectors)
 

@@ -56,6 +56,7 @@ class InterpWorkerExtension:
         """Results of finished requests; ``packed`` for callers in another process (arrays do not survive
         ``collective_rpc`` from worker processes as arrays)."""
         state = self._interp()
+        state.finished(rids)
         if not state.is_result_rank:
             return {}
         results = state.collect(rids)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .report import Report, compare, print_report
 from .rerun import rerun, rerun_config
-from .rules import value_kind
+from ..result_arrays import value_kind
 from .stores import EXIT_ERROR, EXIT_MATCH, EXIT_MISMATCH, Store, VerifyError, check_readable, open_store
 
 __all__ = ["EXIT_ERROR", "EXIT_MATCH", "EXIT_MISMATCH", "Report", "Store", "VerifyError", "compare", "main",

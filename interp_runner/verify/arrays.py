@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .rules import Tolerance, value_kind
+from ..result_arrays import value_kind as default_value_kind
+from .rules import Tolerance
 
 BLOCK_ELEMENTS = 1 << 24  # compare large arrays in slabs of about this many elements
 
@@ -85,9 +86,11 @@ def mismatched_layout(name: str, role: str, new, ref) -> Difference | None:
 
 
 def compare_variable(name: str, role: str, new, ref, tolerance: Tolerance,
-                     prob_scale: Callable[[], float] = lambda: 0.0) -> Difference | None:
+                     prob_scale: Callable[[], float] = lambda: 0.0,
+                     value_kind: Callable[[str], str] = default_value_kind) -> Difference | None:
     """None when the DataArray ``new`` matches ``ref`` (the reference: relative differences are to it);
-    ``prob_scale()``: the reference store's largest probability."""
+    ``prob_scale()``: the reference store's largest probability; ``value_kind``: how the store's float arrays
+    scale (its experiment kind's ``value_kind``)."""
     found = mismatched_layout(name, role, new, ref)
     if found is not None or new.size == 0:
         return found

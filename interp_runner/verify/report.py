@@ -8,14 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .arrays import Difference, check_forced_greedy, compare_top_k, compare_variable, is_float, peak
-from .rules import Tolerance, choose_tolerance, value_kind
+from .rules import Tolerance, choose_tolerance
 from .stores import Store, VerifyError, check_readable
 
 # root attributes written by the provenance manifest and the run's status, not results
 MANIFEST_KEYS = frozenset({
     "schema", "config_yaml", "config_sha256", "command", "overrides", "experiment", "experiments_dir", "package",
     "versions", "model", "seeds", "requests_sha256", "num_requests", "plugin", "host", "started_at",
-    "finished_at", "status", "error", "engine", "figures", "timings", "run_key",
+    "finished_at", "status", "error", "engine", "figures", "exports", "timings", "run_key", "kind",
 })
 PROVENANCE = (
     ("versions", lambda a: a.get("versions")),
@@ -99,7 +99,7 @@ def probability_scale(store: Store) -> Callable[[], float]:
     def scale() -> float:
         if not found:
             probabilities = [v for n, v in store.ds.data_vars.items()
-                             if value_kind(str(n)) == "probability" and is_float(v.dtype)]
+                             if store.kind.value_kind(str(n)) == "probability" and is_float(v.dtype)]
             found.append(max((peak(v) for v in probabilities), default=0.0))
         return found[0]
 
@@ -112,7 +112,7 @@ def _compare_one(name: str, role: str, new: Store, ref: Store, tolerance: Tolera
     top_k = name == "top_token_ids" and "top_logprob" in new.ds and "top_logprob" in ref.ds
     if top_k and not tolerance.exact:
         return compare_top_k(a, new.ds["top_logprob"], b, ref.ds["top_logprob"], tolerance)
-    return compare_variable(name, role, a, b, tolerance, prob_scale)
+    return compare_variable(name, role, a, b, tolerance, prob_scale, ref.kind.value_kind)
 
 
 def compare(new: Store, ref: Store, exact: bool = False) -> Report:

@@ -39,11 +39,12 @@ def _remap_experiments_dir(config, recorded: str | None, here: str, log: Callabl
 
 def rerun_config(store: Store, new_store: Path, log: Callable[[str], None] = print) -> dict:
     """The store's resolved config, writing to ``new_store``; refuses (VerifyError) other model weights."""
-    from ..config import ConfigError, validate_config
+    from ..config import ConfigError
     from ..config.schema import resolve_path
     from ..models.facts import weights_sha256
     from ..models.materialize import model_path
     from ..provenance import EXPERIMENTS_DIR
+    from ..run_config import validate_config
 
     config = store.config
     if not config:
@@ -80,7 +81,7 @@ def forcing_reason(store: Store) -> str | None:
     from ..provenance import host, versions
 
     config = store.config
-    if config.get("causal_trace") is not None or "tokens" not in store.ds.data_vars:
+    if "tokens" not in store.ds.data_vars:  # the store has no generated tokens
         return None
     # the dtype resolves as the store's did: the configured one, or "auto" on the same kernel path
     here = {"host": host(), "versions": versions(), "engine": {"dtype": store.compute_dtype}}

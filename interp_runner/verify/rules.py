@@ -79,17 +79,6 @@ def describe_path(path: dict) -> str:
     return f"{device}, {path.get('dtype')}, torch {path.get('torch')}, vLLM {path.get('vllm')}"
 
 
-def value_kind(name: str) -> str:
-    """How a float array's values scale: probabilities, differences of probabilities, or anything else."""
-    if "logprob" in name or "logit" in name:
-        return "other"
-    if name.endswith("_prob") or name == "prob":
-        return "probability"
-    if name.endswith("effect"):
-        return "probability difference"
-    return "other"
-
-
 @dataclass(frozen=True)
 class Tolerance:
     exact: bool

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+
+from ..kinds import kind_of_store
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
@@ -33,6 +36,14 @@ class Store:
         if not isinstance(config, dict):
             raise VerifyError(f"{self.path}: its config_yaml is not a mapping")
         return config
+
+    @cached_property
+    def kind(self):
+        """The experiment kind that wrote the store (``interp_runner.kinds``)."""
+        try:
+            return kind_of_store(self.attrs)
+        except LookupError as err:
+            raise VerifyError(f"{self.path}: {err}") from None
 
     @property
     def batch_invariant(self) -> bool:

@@ -1,5 +1,4 @@
-"""ROME-style causal tracing (Meng et al. 2022): compile a fact set into one batched sweep, and turn its scores
-into effect grids.
+"""Causal tracing's plan (ROME, Meng et al. 2022): a fact set -> one batched sweep of engine requests.
 
 Per fact: a clean run (stage 0) keeps every state a restore needs on the workers and scores the answer; corrupted runs
 (Gaussian noise on the subject's token embeddings, or a counterfactual prompt) give the corrupt score. Stage 1
@@ -16,22 +15,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
-from .compiler import Plan, answer_token, bank_rows_for, check_length, check_vocabulary
-from .config.errors import ConfigError
-from .config.schema import FactRow, RunConfig, resolve_path
-from .inputs import read_rows
-from .models.facts import ModelFacts
-from .patching import align, keep_groups, run_digest, span_positions
-from .payload import ref_key, vector_key
-from .request_build import (
+from ..config.errors import ConfigError
+from ..config.schema import RunBase, resolve_path
+from ..inputs import read_rows
+from ..models.facts import ModelFacts
+from ..patching import align, keep_groups, run_digest, span_positions
+from ..payload import ref_key, vector_key
+from ..plan import Plan, bank_rows_for
+from ..prompt_set import answer_token, check_length, check_vocabulary, require_plain_prompts
+from ..request_build import (
     EngineRequest, Patch, Prompt, engine_spec_of, make_request, mark_private_kv, no_gc_passes, requests_hash,
 )
-from .selectors import parse_layers
-from .sites import site_id, site_of
+from ..selectors import parse_layers
+from ..sites import site_id, site_of
 
 KIND_HOOK = {"mlp": "mlp_out", "attn": "attn_out"}
-ROLES = ("first subject", "middle subject", "last subject", "first subsequent", "further tokens", "last token")
+
+
+class FactRow(BaseModel):
+    """A line of a causal-trace facts file; other keys (``relation``, ...) are metadata."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    id: str | None = Field(None, min_length=1)
+    subject: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    answer: str = Field(min_length=1)
+    foil: str | None = Field(None, min_length=1)
+    corrupt_prompt: str | None = Field(None, min_length=1)
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,7 @@ def cell_rid(f: int, kind: str, layer: int, token: int, s: int) -> str:
     return f"f{f:03d}-{kind}-L{layer:02d}-t{token:03d}-s{s}"
 
 
-def load_facts(cfg: RunConfig, tokenizer, base: Path | None) -> list[TraceFact]:
+def load_facts(cfg: RunBase, tokenizer, base: Path | None) -> list[TraceFact]:
     trace = cfg.causal_trace
     path = resolve_path(trace.facts, base)
     rows = read_rows(path, "causal_trace.facts", FactRow)
@@ -140,8 +153,15 @@ def noise_scale(facts: list[TraceFact], embeddings, k: float) -> float:
 
 
 @no_gc_passes()
-def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | None, embeddings) -> Plan:
+def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None, embeddings,
+                  kind_name: str) -> Plan:
+    """The plan of ``cfg.causal_trace``, a plan of the kind ``kind_name``; ``embeddings(ids)`` gives token embedding
+    rows (the noise scale)."""
     trace = cfg.causal_trace
+    require_plain_prompts(cfg, "prompts.chat_template", "causal tracing finds each subject by its characters in the "
+                                                        "prompt: it needs prompts without a chat template")
+    if cfg.sampling.teacher_forcing is not None:
+        raise ConfigError.at("sampling.teacher_forcing", "a causal trace generates no text to force")
     if set(trace.kinds) & set(KIND_HOOK) and trace.window > facts_.num_layers:
         raise ConfigError.at("causal_trace.window",
                              f"{trace.window} is larger than the model, which has {facts_.num_layers} layers")
@@ -236,143 +256,7 @@ def compile_trace(cfg: RunConfig, facts_: ModelFacts, tokenizer, base: Path | No
     bank = bank_rows_for(cfg, len(sources) + len(refs))
     mark_private_kv(requests)
     return Plan(
-        requests=tuple(requests), vectors={}, engine_spec=engine_spec_of(requests, bank), captures=(),
+        requests=tuple(requests), vectors={}, engine_spec=engine_spec_of(requests, bank), captures=(), kind=kind_name,
         requests_sha256=requests_hash(requests), sources=sources, refs=refs,
-        skipped=tuple({"fact": f.index, "positions": list(f.skipped)} for f in facts if f.skipped), trace=layout,
+        skipped=tuple({"fact": f.index, "positions": list(f.skipped)} for f in facts if f.skipped), layout=layout,
     )
-
-
-# -- results -> grids -----------------------------------------------------------------------------------
-
-
-def _roles(fact: TraceFact, num_tokens: int) -> dict[str, list[int]]:
-    """Token positions (of the corrupt prompt, which cells are indexed by) in each of ROME's roles."""
-    subj = list(fact.corrupt_subject)
-    first, last = subj[0], subj[-1]
-    return {
-        "first subject": [first], "middle subject": subj[1:-1], "last subject": [last],
-        "first subsequent": [last + 1] if last + 1 < num_tokens else [],
-        "further tokens": list(range(last + 2, num_tokens - 1)), "last token": [num_tokens - 1],
-    }
-
-
-def trace_dataset(plan: Plan, results: dict, tokenizer=None):
-    """The effect grids of a finished trace as an xarray Dataset (see ``interp_runner.store``)."""
-    import xarray as xr
-
-    layout: TraceLayout = plan.trace
-    F, K, L = len(layout.facts), len(layout.kinds), len(layout.layers)
-    T = max(len(f.corrupt.token_ids) for f in layout.facts)
-    S = layout.samples
-    grid_lp = np.full((F, K, L, T, S), np.nan, dtype=np.float64)
-    grid_foil = np.full_like(grid_lp, np.nan)
-    clean_lp, clean_foil = np.full(F, np.nan), np.full(F, np.nan)
-    corrupt_lp, corrupt_foil = np.full((F, S), np.nan), np.full((F, S), np.nan)
-    batch_lp = np.full((F, S), np.nan)
-    clean_top = np.full(F, -1, dtype=np.int64)
-    voided = []
-    kind_index = {k: i for i, k in enumerate(layout.kinds)}
-    layer_index = {lay: i for i, lay in enumerate(layout.layers)}
-    for request in plan.requests:
-        result = results.get(request.rid)
-        if result is not None and result.void:  # its patches were not applied: never a restored score
-            voided.append({"request": request.rid, "reason": result.void})
-            continue
-        if result is None or result.score is None:
-            continue
-        lps = result.score["logprobs"]
-        answer, foil = float(lps[0]), float(lps[1]) if len(lps) > 1 else np.nan
-        m = request.meta
-        f = m["fact"]
-        if m["part"] == "clean":
-            clean_lp[f], clean_foil[f], clean_top[f] = answer, foil, result.score["top_id"]
-        elif m["part"] == "corrupt":
-            if m.get("in_batch"):
-                batch_lp[f, m["sample"]] = answer
-            else:
-                corrupt_lp[f, m["sample"]], corrupt_foil[f, m["sample"]] = answer, foil
-        else:
-            at = (f, kind_index[m["kind"]], layer_index[m["layer"]], m["token"], m["sample"])
-            grid_lp[at], grid_foil[at] = answer, foil
-
-    answers = np.array([f.clean.answer_ids[0] for f in layout.facts])
-    filtered = (clean_top != answers) & layout.filter
-    with np.errstate(invalid="ignore"):
-        restored_prob = np.exp(grid_lp).mean(-1)
-        corrupt_prob = np.exp(corrupt_lp).mean(-1)
-        clean_prob = np.exp(clean_lp)
-        indirect = restored_prob - corrupt_prob[:, None, None, None]
-        recovered = indirect / (clean_prob - corrupt_prob)[:, None, None, None]
-        logit_diff = (grid_lp - grid_foil).mean(-1)
-        noise_floor = float(np.nanmax(np.abs(np.exp(batch_lp) - np.exp(corrupt_lp)), initial=0.0))
-    restored_prob[filtered] = np.nan
-    indirect[filtered] = np.nan
-
-    avg = np.full((K, L, len(ROLES)), np.nan)
-    for r, role in enumerate(ROLES):
-        per_fact = []
-        for fact in layout.facts:
-            if filtered[fact.index]:
-                continue
-            positions = _roles(fact, len(fact.corrupt.token_ids))[role]
-            if positions:
-                per_fact.append(np.nanmean(indirect[fact.index][:, :, positions], axis=-1))
-        if per_fact:
-            avg[:, :, r] = np.nanmean(np.stack(per_fact), axis=0)
-
-    texts = np.full((F, T), "", dtype=object)
-    if tokenizer is not None:
-        for fact in layout.facts:
-            texts[fact.index, : len(fact.corrupt.token_ids)] = tokenizer.token_texts(fact.corrupt.token_ids)
-    max_subj = max(len(f.subject_positions) for f in layout.facts)
-    noise = np.full((F, S, max_subj, layout.noise[0].shape[-1] if layout.noise else 1), np.nan, dtype=np.float32)
-    for f, values in layout.noise.items():
-        noise[f, :, : values.shape[1]] = values
-
-    strings = np.dtypes.StringDType()
-    grid = ("fact", "kind", "layer", "token")
-    ds = xr.Dataset(
-        {
-            "restored_prob": (grid, restored_prob.astype(np.float32)),
-            "indirect_effect": (grid, indirect.astype(np.float32)),
-            "recovered": (grid, recovered.astype(np.float32)),
-            "restored_logit_diff": (grid, logit_diff.astype(np.float32)),
-            "restored_logprob_samples": (grid + ("sample",), grid_lp.astype(np.float32)),
-            "above_noise_floor": (grid, np.abs(indirect) > noise_floor),
-            "clean_prob": ("fact", clean_prob.astype(np.float32)),
-            "clean_logit_diff": ("fact", (clean_lp - clean_foil).astype(np.float32)),
-            "corrupt_prob": ("fact", corrupt_prob.astype(np.float32)),
-            "corrupt_logprob_samples": (("fact", "sample"), corrupt_lp.astype(np.float32)),
-            "corrupt_logprob_in_batch": (("fact", "sample"), batch_lp.astype(np.float32)),
-            "total_effect": ("fact", (clean_prob - corrupt_prob).astype(np.float32)),
-            "clean_top_token": ("fact", clean_top.astype(np.int32)),
-            "clean_correct": ("fact", clean_top == answers),
-            "answer_token": ("fact", answers.astype(np.int32)),
-            "filtered": ("fact", filtered),
-            "num_tokens": ("fact", np.array([len(f.corrupt.token_ids) for f in layout.facts], dtype=np.int32)),
-            "prompt_tokens": (("fact", "token"), np.array(
-                [list(f.corrupt.token_ids) + [-1] * (T - len(f.corrupt.token_ids)) for f in layout.facts],
-                dtype=np.int32)),
-            "token_text": (("fact", "token"), texts.astype(strings)),
-            "subject_start": ("fact", np.array([f.corrupt_subject[0] for f in layout.facts], dtype=np.int32)),
-            "subject_end": ("fact", np.array([f.corrupt_subject[-1] + 1 for f in layout.facts], dtype=np.int32)),
-            "subject": ("fact", np.array([f.subject for f in layout.facts], dtype=strings)),
-            "prompt": ("fact", np.array([f.corrupt.text for f in layout.facts], dtype=strings)),
-            "answer": ("fact", np.array([f.answer for f in layout.facts], dtype=strings)),
-            "noise": (("fact", "sample", "subject_token", "hidden"), noise),
-            "avg_indirect_effect": (("kind", "layer", "role"), avg.astype(np.float32)),
-        },
-        coords={
-            "fact_id": ("fact", np.array([f.id for f in layout.facts], dtype=strings)),
-            "kind": np.array(layout.kinds, dtype=strings),
-            "layer": np.array(layout.layers, dtype=np.int32),
-            "role": np.array(ROLES, dtype=strings),
-        },
-        attrs={
-            "window": layout.window, "corruption": layout.corruption, "noise_std": layout.noise_std,
-            "noise_samples": layout.samples, "noise_floor": noise_floor,
-            "filtered_facts": [layout.facts[i].id for i in np.flatnonzero(filtered)],
-            "voided": voided, "skipped_positions": list(plan.skipped),
-        },
-    )
-    return ds

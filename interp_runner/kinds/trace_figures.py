@@ -114,6 +114,14 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
+def heatmap_name(fact_id: str, kind: str) -> str:
+    """The file name of one fact's heatmap for one kind."""
+    return f"trace_{_safe(str(fact_id))}_{kind}.png"
+
+
+AVERAGE_FIGURE = "average_indirect_effect.png"
+
+
 FIGURE_VARS = ("restored_prob", "num_tokens", "token_text", "subject_start", "subject_end", "corrupt_prob", "answer",
                "indirect_effect", "avg_indirect_effect")
 
@@ -149,8 +157,8 @@ def write_figures(ds: xr.Dataset, out_dir, workers: int | None = None) -> list[P
         if bool(ds["indirect_effect"].isel(fact=i).isnull().all()):
             continue
         one = ds.isel(fact=[i])
-        jobs += [("trace", one, kind, out_dir / f"trace_{_safe(str(fact_id))}_{kind}.png") for kind in kinds]
-    jobs.append(("average", ds.drop_dims("fact", errors="ignore"), out_dir / "average_indirect_effect.png"))
+        jobs += [("trace", one, kind, out_dir / heatmap_name(fact_id, kind)) for kind in kinds]
+    jobs.append(("average", ds.drop_dims("fact", errors="ignore"), out_dir / AVERAGE_FIGURE))
     # a spawned worker costs about as much as a few figures (its imports): worth it for many figures only
     workers = workers or (min(os.cpu_count() or 1, len(jobs) // PER_WORKER_AT_LEAST))
     if workers <= 1:

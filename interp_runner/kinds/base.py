@@ -1,0 +1,75 @@
+"""What an experiment kind supplies. Pipeline, store, summary, verify and the report call only this interface and
+never ask which kind they run; a kind is one module under ``interp_runner.kinds`` plus its
+``conf/experiment/*.yaml``, registered once in ``interp_runner.kinds``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import xarray as xr
+    from pydantic import BaseModel
+
+
+@dataclass(frozen=True)
+class Table:
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Any, ...], ...]
+
+
+@dataclass(frozen=True)
+class Section:
+    """A part of a run's report: paragraphs, tables and some of the run's figures (shown inline)."""
+
+    title: str
+    text: str = ""
+    tables: tuple[Table, ...] = ()
+    figures: tuple[Path, ...] = ()
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A kind's one number for a run, plotted along the swept parameter in a sweep's index report."""
+
+    label: str
+    value: float
+
+
+class Kind(Protocol):
+    name: str  # recorded in the store's manifest
+    section: str | None  # the run config key holding its settings; None for the default kind
+    settings: type[BaseModel] | None  # the pydantic model of that section
+    # the prompts kind's keys (dotted: "steering", "prompts.items") its section cannot be combined with -> why ("" for
+    # no reason given); a section is never combined with another kind's (``interp_runner.run_config``)
+    excludes: dict[str, str]
+
+    def compile(self, cfg, facts, tokenizer, base: Path | None, embeddings) -> Any:
+        """Validated config + model facts -> ``Plan`` (its ``kind``: this kind's name); raises ``ConfigError`` naming
+        the key on bad input."""
+
+    def dataset(self, plan, results: dict, hidden: int, tokenizer) -> xr.Dataset:
+        """Results by request id -> the store's arrays."""
+
+    def figures(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
+        """Figures of the written store, drawn into ``out_dir`` (created by the kind when it draws any); the paths."""
+
+    def exports(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
+        """Files other tools read (e.g. vectors as .safetensors / .gguf), written into ``out_dir`` (created by the
+        kind when it writes any); the paths."""
+
+    def summary(self, ds: xr.Dataset) -> list[str]:
+        """A few lines for the terminal and the report."""
+
+    def value_kind(self, name: str) -> str:
+        """How the float array ``name`` scales, for ``interp-verify``'s tolerances: "probability",
+        "probability difference" or "other"."""
+
+    def report_sections(self, ds: xr.Dataset, figures: list[Path]) -> list[Section]:
+        """The kind's own sections of the run's report."""
+
+    def headline(self, ds: xr.Dataset) -> Headline | None:
+        """The number a sweep compares across its jobs, or None."""

@@ -1,0 +1,155 @@
+"""Causal tracing, ROME-style (Meng et al. 2022): which hidden states carry a fact. Its section: ``causal_trace``.
+
+The plan is ``trace_plan``'s (clean, corrupted and restored runs of every fact), the store's arrays
+``trace_grids``' and the heatmaps ``trace_figures``'. Store (``dataset``): per fact ``clean_prob``,
+``corrupt_prob``, ``total_effect``; the grids ``restored_prob``, ``indirect_effect`` (restored - corrupt),
+``recovered``, ``restored_logit_diff`` with dims (fact, kind, layer, token); the per-sample scores, subject spans,
+token texts, the noise itself, filtered facts and ``avg_indirect_effect`` (kind, layer, role) over ROME's token
+roles. Figures: a heatmap per fact and kind and the averaged-effect plot (``plots: true``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+import xarray as xr
+from pydantic import AfterValidator, Field
+
+from ..config.schema import LayerSelector, PositiveFloat32, ResidualHook, Seed, Strict, distinct
+from ..models.facts import ModelFacts
+from ..plan import Plan
+from ..result_arrays import value_kind
+from .base import Headline, Section, Table
+from .trace_figures import AVERAGE_FIGURE, heatmap_name, write_figures
+from .trace_grids import trace_dataset
+from .trace_plan import compile_trace
+
+
+class Noise(Strict):
+    k: PositiveFloat32 = 3.0  # std = k * std of the subjects' token embeddings
+    samples: int = Field(3, ge=1)
+    seed: Seed = 0
+
+
+class CausalTrace(Strict):
+    """ROME-style causal tracing over a JSONL of facts: {id, subject, prompt, answer[, foil, corrupt_prompt]}."""
+
+    facts: str
+    num_facts: int | None = Field(None, ge=1)  # the first N facts
+    corruption: Literal["noise", "counterfactual"] = "noise"
+    noise: Noise = Noise()
+    kinds: Annotated[list[Literal["resid", "mlp", "attn"]], Field(min_length=1), AfterValidator(distinct)] = [
+        "resid", "mlp", "attn"]
+    resid_hook: ResidualHook = "post_block"
+    window: int = Field(10, ge=1)
+    layers: LayerSelector = "all"  # restored layers (window centres for mlp/attn)
+    filter: bool = True  # drop facts whose clean prediction is not the answer (ROME), listing them
+    plots: bool = True
+
+
+VALUE_KINDS = {
+    "restored_prob": "probability", "clean_prob": "probability", "corrupt_prob": "probability",
+    "indirect_effect": "probability difference", "total_effect": "probability difference",
+    "avg_indirect_effect": "probability difference",
+}
+HEADLINE_ROLE = "last subject"
+ITS_FACTS = "its facts are the prompts"
+
+
+class CausalTraceKind:
+    name = "causal_trace"
+    section = "causal_trace"
+    settings = CausalTrace
+    excludes = {"steering": "", "capture": "", "patching": "", "prompts.items": ITS_FACTS, "prompts.file": ITS_FACTS}
+
+    def compile(self, cfg, facts: ModelFacts, tokenizer, base: Path | None, embeddings: Callable) -> Plan:
+        return compile_trace(cfg, facts, tokenizer, base, embeddings, self.name)
+
+    def dataset(self, plan: Plan, results: dict, hidden: int, tokenizer=None) -> xr.Dataset:
+        return trace_dataset(plan, results, tokenizer)
+
+    def figures(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
+        return write_figures(ds, out_dir) if cfg.causal_trace.plots else []
+
+    def exports(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
+        return []
+
+    def summary(self, ds: xr.Dataset) -> list[str]:
+        lines = [f"noise std {ds.attrs['noise_std']:.4f}, {ds.attrs['noise_samples']} sample(s); "
+                 f"noise floor {ds.attrs['noise_floor']:.2e}; filtered facts: {ds.attrs['filtered_facts'] or 'none'}"]
+        for f in range(ds.sizes["fact"]):
+            line = (f"[{ds['fact_id'].values[f]}] {str(ds['prompt'].values[f])!r} -> "
+                    f"{str(ds['answer'].values[f])!r}: p clean {float(ds['clean_prob'][f]):.3f}, "
+                    f"corrupt {float(ds['corrupt_prob'][f]):.3f}")
+            if bool(ds["filtered"][f]):
+                lines.append(line + "  (filtered: the clean run does not predict the answer)")
+                continue
+            peaks = _peaks(ds, f)
+            lines.append(line)
+            lines.append("  largest indirect effects: " + ", ".join(best for best, _ in peaks.values()))
+            # the last token at the last layers is the answer itself; ROME's finding is the peak at the subject
+            lines.append("  at the subject tokens:    " + ", ".join(at for _, at in peaks.values()))
+        return lines
+
+    def value_kind(self, name: str) -> str:
+        return VALUE_KINDS.get(name) or value_kind(name)
+
+    def report_sections(self, ds: xr.Dataset, figures: list[Path]) -> list[Section]:
+        by_name = {Path(p).name: Path(p) for p in figures}
+        kinds = [str(k) for k in ds["kind"].values]
+        columns = ("fact", "prompt", "answer", "p clean", "p corrupt", "filtered") \
+            + tuple(f"peak {k}" for k in kinds) + tuple(f"peak {k} at the subject" for k in kinds)
+        rows, per_fact = [], []
+        for f in range(ds.sizes["fact"]):
+            fact_id = str(ds["fact_id"].values[f])
+            filtered = bool(ds["filtered"][f])
+            peaks = {} if filtered else _peaks(ds, f)
+            rows.append((fact_id, str(ds["prompt"].values[f]), str(ds["answer"].values[f]),
+                         float(ds["clean_prob"][f]), float(ds["corrupt_prob"][f]), filtered)
+                        + tuple(peaks[k][0] if peaks else "" for k in kinds)
+                        + tuple(peaks[k][1] if peaks else "" for k in kinds))
+            if filtered:
+                continue
+            table = Table("peak indirect effects", ("kind", "largest", "at the subject tokens"),
+                          tuple((k, *peaks[k]) for k in kinds))
+            heatmaps = tuple(by_name[n] for n in (heatmap_name(fact_id, k) for k in kinds) if n in by_name)
+            per_fact.append(Section(f"Fact {fact_id}", f"{str(ds['prompt'].values[f])!r} -> "
+                                                       f"{str(ds['answer'].values[f])!r}", (table,), heatmaps))
+        text = (f"Noise std {ds.attrs['noise_std']:.4f} ({ds.attrs['noise_samples']} sample(s), corruption "
+                f"{ds.attrs['corruption']}), noise floor {ds.attrs['noise_floor']:.2e}; filtered facts: "
+                f"{', '.join(ds.attrs['filtered_facts']) or 'none'}.")
+        average = (by_name[AVERAGE_FIGURE],) if AVERAGE_FIGURE in by_name else ()
+        return [Section("Causal trace", text, (Table("facts", columns, tuple(rows)),), average), *per_fact]
+
+    def headline(self, ds: xr.Dataset) -> Headline | None:
+        if "resid" not in [str(k) for k in ds["kind"].values]:
+            return None
+        effect = ds["avg_indirect_effect"].sel(kind="resid", role=HEADLINE_ROLE).values.astype(np.float64)
+        if not np.isfinite(effect).any():
+            return None
+        return Headline(f"mean indirect effect of restoring resid at the {HEADLINE_ROLE} token (over facts and "
+                        "layers)", float(np.nanmean(effect)))
+
+
+def _peak(ds: xr.Dataset, f: int, kind: str, grid: np.ndarray, first_token: int) -> str:
+    if not np.isfinite(grid).any():
+        return f"{kind} -"
+    layer, token = np.unravel_index(np.nanargmax(grid), grid.shape)
+    text = str(ds["token_text"].values[f, first_token + token])
+    return f"{kind} {grid[layer, token]:+.3f} @ L{int(ds['layer'][layer])} {text!r}"
+
+
+def _peaks(ds: xr.Dataset, f: int) -> dict[str, tuple[str, str]]:
+    """Per kind: the largest indirect effect of fact ``f`` anywhere, and at its subject tokens."""
+    start, end = int(ds["subject_start"][f]), int(ds["subject_end"][f])
+    out = {}
+    for kind in ds["kind"].values:
+        grid = ds["indirect_effect"].sel(kind=kind).isel(fact=f).values
+        out[str(kind)] = (_peak(ds, f, kind, grid, 0), _peak(ds, f, kind, grid[:, start:end], start))
+    return out
+
+
+KIND = CausalTraceKind()

@@ -1,0 +1,6 @@
+"""Static HTML reports: one beside every store (``run_report``), an index page per sweep (``sweep_index``), and
+``interp-report`` to (re)build either (``cli``). Each page is one self-contained file that opens offline."""
+
+from .run_report import write_report
+
+__all__ = ["write_report"]

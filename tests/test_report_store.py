@@ -1,0 +1,105 @@
+"""The report beside a store is one of its companions (``StoreTarget.companions``), as its figures are: staged with
+the store, moved into place with it, replaced with it by ``store.overwrite``, never published by a run that fails,
+and a report without its store at the path is refused. In process, with a fake engine (tests/test_store_safety.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import zarr
+
+from interp_runner import pipeline
+from interp_runner.config import ConfigError
+from interp_runner.pipeline import run
+from interp_runner.store_claim import StoreTarget
+from test_report import read_page
+from test_store import store_config
+from test_store_safety import GOLDEN, NoEngine, engine_serving, snapshot
+
+
+def config_at(store: Path, **store_settings) -> dict:
+    return store_config(store={"path": str(store), **store_settings})
+
+
+def attrs_of(store: Path) -> dict:
+    return dict(zarr.open_group(str(store), mode="r").attrs)
+
+
+def provenance_cells(page) -> dict[str, str]:
+    return {row[0]: row[1] for table in page.tables for row in table if len(row) == 2}
+
+
+def test_a_run_writes_the_report_of_its_complete_store_beside_it(tmp_path):
+    store = tmp_path / "data" / "results.zarr"
+    config = config_at(store)
+    run(config, tmp_path / "run", engine_factory=engine_serving(config), log=lambda _: None)
+    assert sorted(p.name for p in store.parent.iterdir()) == ["results.report.html", "results.zarr"]
+    attrs = attrs_of(store)
+    page = read_page(store.parent / "results.report.html")
+    cells = provenance_cells(page)
+    # rendered once the store was complete: its final status, finish time and timings
+    assert cells["status"] == "complete" and cells["finished_at"] == attrs["finished_at"]
+    assert cells["run_key"] == attrs["run_key"] and cells["store_s"] == str(attrs["timings"]["store_s"])
+    assert page.headings["h1"] == [f"{attrs['experiment']['name']} v{attrs['experiment']['version']}"]
+
+
+@pytest.fixture
+def old_store(tmp_path) -> tuple[Path, dict[str, bytes]]:
+    """A complete store at the path with its report and figures, and what the folder held (bytes)."""
+    area = tmp_path / "data"
+    area.mkdir()
+    shutil.copytree(GOLDEN, area / "results.zarr")
+    (area / "results.report.html").write_text("<p>the old report</p>")
+    (area / "results.figures").mkdir()
+    (area / "results.figures" / "old.png").write_bytes(b"old figure")
+    return area / "results.zarr", snapshot(area)
+
+
+def test_a_run_that_fails_leaves_the_old_report_and_publishes_none(old_store, monkeypatch):
+    store, before = old_store
+    config = config_at(store, overwrite=True)
+
+    def fails(staged, out):
+        Path(out).write_text("half a report")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "write_report", fails)
+    with pytest.raises(OSError):
+        run(config, store.parent.parent / "run", engine_factory=engine_serving(config), log=lambda _: None)
+    target = StoreTarget.at(store)
+    # what was there is as it was; the failed run (kept for resume=true) holds its store and the half report
+    assert {k: v for k, v in snapshot(store.parent).items() if not k.startswith(".")} == before
+    assert attrs_of(target.staged)["status"] == "failed"
+    assert target.staging(target.report).read_text() == "half a report"
+
+
+def test_overwrite_replaces_the_report_with_the_store_once_the_new_one_is_complete(old_store):
+    store, _ = old_store
+    old_run_key = attrs_of(store)["run_key"]
+    config = config_at(store, overwrite=True)
+    logged = []
+    run(config, store.parent.parent / "run", engine_factory=engine_serving(config), log=logged.append)
+    assert any("store.overwrite: replaced" in line and "results.report.html" in line for line in logged)
+    assert sorted(p.name for p in store.parent.iterdir()) == ["results.report.html", "results.zarr"]
+    new = attrs_of(store)
+    assert new["run_key"] != old_run_key
+    assert provenance_cells(read_page(store.parent / "results.report.html"))["run_key"] == new["run_key"]
+
+
+def test_a_report_without_its_store_is_refused(tmp_path):
+    area = tmp_path / "data"
+    area.mkdir()
+    (area / "results.report.html").write_text("<p>someone's page</p>")
+    before = snapshot(area)
+    with pytest.raises(ConfigError) as err:
+        run(config_at(area / "results.zarr"), tmp_path / "run", engine_factory=NoEngine, log=lambda _: None)
+    (key, message), = err.value.problems
+    assert key == "store.path" and f"{area / 'results.report.html'} exists with no store" in message
+    assert snapshot(area) == before
+    # with store.overwrite the page is replaced by the new run's report
+    config = config_at(area / "results.zarr", overwrite=True)
+    run(config, tmp_path / "run", engine_factory=engine_serving(config), log=lambda _: None)
+    assert "someone's page" not in (area / "results.report.html").read_text()
