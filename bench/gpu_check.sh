@@ -12,7 +12,8 @@
 # model runner, V2), bench-trace (causal-tracing grids against hand-batched HF hooks: bench/trace_grid.py),
 # bench-store (bench/store_bandwidth.py: a large capture written to zarr against dd on the same filesystem),
 # startup (bench/run_wall.py: whole `interp-run` processes of WALL_CONFIG, default +experiment=causal_trace_full,
-# with WALL_ARGS such as `--variant eager:engine.enforce_eager=true --repeats 2`; result $OUT/$WALL_JSON.json).
+# with WALL_ARGS such as `--variant eager:engine.enforce_eager=true --repeats 2`; result $OUT/$WALL_JSON.json),
+# overlap (bench/start_overlap.py: the plan compiled before the engine starts or while it does, same config).
 # GPU_CHECK_BUDGET_S (default 540) bounds the whole run: each stage gets what is left, and a stage is skipped
 # when under 30 s are left. Under a 10-minute limit per command, split the stages over calls, e.g.
 # `setup tests kernels bench-trace`, then `setup bench-small bench-store bench-8b`. Environment knobs:
@@ -63,6 +64,8 @@ main() {
         ${TRACE_ARGS:-} --json "$OUT/${TRACE_JSON:-trace_grid}.json" || rc=$? ;;
       startup) timeout -k 10 $(( budget - 5 )) $PY bench/run_wall.py ${WALL_ARGS:-} --dir /tmp/run-wall \
         --json "$OUT/${WALL_JSON:-run_wall}.json" -- ${WALL_CONFIG:-+experiment=causal_trace_full} || rc=$? ;;
+      overlap) timeout -k 10 $(( budget - 5 )) $PY bench/start_overlap.py --repeats "${OVERLAP_REPEATS:-2}" \
+        --json "$OUT/start_overlap.json" -- ${WALL_CONFIG:-+experiment=causal_trace_full} || rc=$? ;;
       bench-store) timeout -k 10 $(( budget - 5 )) $PY bench/store_bandwidth.py --dir "${STORE_DIR:-/tmp/interp-store-bench}" \
         ${STORE_ARGS:-} --json "$OUT/store_bandwidth.json" || rc=$? ;;
       *) echo "unknown stage $stage"; rc=2 ;;

@@ -102,6 +102,8 @@ class VllmEngine:
             additional_config=spec.as_additional_config(),
             logits_processors=[FORCED_TOKENS] if spec.force_tokens else None,
         )
+        if cfg.block_size is not None:
+            kwargs["block_size"] = cfg.block_size
         if cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
         if cfg.kv_cache_memory_bytes is not None:
@@ -283,7 +285,8 @@ class VllmEngine:
         except BaseException:
             core.abort_requests([k for k in pending if k not in done])
             raise
-        collected = self._collect([r.rid for r in requests])
+        collected = self._collect([r.rid for r in requests],
+                                  [r.rid for r in pending.values() if isinstance(r, PackedRequest)])
         decode = self.llm.get_tokenizer().decode
         texts: dict[tuple, str] = {}  # one token each: few distinct ones
 
@@ -320,10 +323,11 @@ class VllmEngine:
         inner = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
         return inner is not None and getattr(inner, "batch_queue", None) is not None
 
-    def _collect(self, rids: list[str]) -> dict:
-        """Per-request results from the result rank, after checking that every rank applied the same."""
+    def _collect(self, rids: list[str], carriers: list[str] = ()) -> dict:
+        """Per-request results from the result rank, after checking that every rank applied the same; what the
+        requests, and the packed requests that ``carriers`` name, held on the workers is freed."""
         collected = {}
-        for per_rank in self.llm.collective_rpc("interp_collect", args=(rids, not self.in_process)):
+        for per_rank in self.llm.collective_rpc("interp_collect", args=(rids, not self.in_process, list(carriers))):
             collected.update(per_rank if self.in_process else unpack_results(per_rank))
         self.check_ranks()
         return collected

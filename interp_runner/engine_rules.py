@@ -19,7 +19,7 @@ from .models.facts import ModelFacts
 from .payload import DECODE, PREFILL
 from .plan import Plan
 
-CPU_BLOCK_TOKENS = 128  # vllm/platforms/cpu.py: the block size of the CPU KV cache
+CPU_BLOCK_TOKENS = 128  # vllm/platforms/cpu.py: the block size of the CPU KV cache unless one is given
 GPU_BLOCK_TOKENS = 16  # the smallest block a CUDA attention backend uses
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DTYPE_MAX = {"float32": float(np.finfo(np.float32).max), "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
@@ -179,7 +179,7 @@ def _kv_cache(cfg: RunBase, facts: ModelFacts, gpu: bool) -> list:
     budget = e.kv_cache_memory_bytes if e.kv_cache_memory_bytes is not None else None if gpu else CPU_KV_CACHE_BYTES
     if budget is None:
         return []
-    block = GPU_BLOCK_TOKENS if gpu else CPU_BLOCK_TOKENS
+    block = e.resolved(gpu, decodes=True).block_size or (GPU_BLOCK_TOKENS if gpu else CPU_BLOCK_TOKENS)
     kv_heads = max(1, facts.num_kv_heads // e.tensor_parallel_size)
     per_token = 2 * facts.num_layers * kv_heads * facts.head_dim * DTYPE_BYTES[model_dtype(cfg, facts)]
     needed = math.ceil(e.max_model_len / block) * block * per_token

@@ -211,6 +211,7 @@ VLLM_RULES = [
     ("kv-cache-below-one-sequence", engine(kv_cache_memory_bytes=1000), "engine.kv_cache_memory_bytes",
      "KV cache"),
     ("engine-seed-beyond-32-bits", engine(seed=2**32), "engine.seed", "less than"),
+    ("block-size-not-whole-16s", engine(block_size=24), "engine.block_size", "multiple of 16"),
     pytest.param(engine(batch_invariant=True), "engine.batch_invariant", "GPU", marks=ON_CPU,
                  id="batch-invariant-on-cpu"),
 ]

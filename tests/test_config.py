@@ -533,3 +533,17 @@ def test_experiment_composes_and_compiles(name):
     assert prepared.cfg.dry_run is False
     # the same config again compiles to the same requests
     assert prepare(config, base=REPO).plan.requests_sha256 == prepared.plan.requests_sha256
+
+
+def test_open_engine_settings_are_decided_per_device_and_plan():
+    """Where the config leaves them open: eager except for plans that decode on a GPU; packed trace cells
+    everywhere, and 32-token KV blocks on a CPU that packs them (vLLM's CPU default, 128, pads every cell to 128)."""
+    from interp_runner.config.schema import EngineConfig
+
+    open_ = EngineConfig()
+    assert open_.packs_cells()
+    cpu, gpu = open_.resolved(gpu=False, decodes=False), open_.resolved(gpu=True, decodes=True)
+    assert (cpu.enforce_eager, cpu.block_size) == (True, 32)
+    assert (gpu.enforce_eager, gpu.block_size) == (False, None)  # vLLM's block size on a GPU
+    assert EngineConfig(pack_cells=False).resolved(gpu=False, decodes=False).block_size is None
+    assert EngineConfig(block_size=128).resolved(gpu=False, decodes=False).block_size == 128

@@ -91,7 +91,7 @@ def test_alpha_moves_the_answer_monotonically_from_corrupt_to_clean(smollm2_engi
     clean = float(np.exp(results["r00000"].score["logprobs"][0]))
     corrupt = float(np.exp(by_role(plan, results, "baseline", 1).score["logprobs"][0]))
     assert clean > 0.3 and corrupt < 0.05, (clean, corrupt)
-    assert probs[0] == corrupt
+    assert probs[0] == pytest.approx(corrupt, rel=1e-5)  # the same run, but packed with the others: fp32 apart
     assert all(a < b for a, b in zip(probs, probs[1:])), probs
     assert probs[-1] > corrupt + 0.5 * (clean - corrupt), (probs, clean, corrupt)
 

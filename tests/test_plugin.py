@@ -15,6 +15,7 @@ import json
 from importlib.metadata import entry_points
 from vllm.plugins import load_general_plugins
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
 load_general_plugins()
@@ -24,6 +25,7 @@ print(json.dumps({
     "layers_patched": "_interp_original_forward" in LlamaDecoderLayer.__dict__,
     "qwen3_patched": "_interp_original_forward" in Qwen3DecoderLayer.__dict__,
     "runner_patched": "_interp_original_model_forward" in GPUModelRunner.__dict__,
+    "cpu_warm_up_patched": "_interp_original_warm_up" in CPUModelRunner.__dict__,
     "op": hasattr(torch.ops.interp, "site") if hasattr(torch.ops, "interp") else False,
 }))
 """
@@ -42,11 +44,40 @@ def test_plugin_is_inert_unless_enabled():
     inert = probe(enabled=False)
     assert inert["entry_point"] == ["interp_runner.plugin:register"]
     assert not inert["layers_patched"] and not inert["runner_patched"] and not inert["op"]
+    assert not inert["cpu_warm_up_patched"]
 
 
 def test_plugin_instruments_when_enabled():
     active = probe(enabled=True)
     assert active["layers_patched"] and active["qwen3_patched"] and active["runner_patched"] and active["op"]
+    assert active["cpu_warm_up_patched"]  # this machine has no GPU: vLLM's platform is its CPU
+
+
+def test_an_eager_interp_engine_on_a_cpu_warms_up_on_a_few_tokens_and_any_other_as_vllm_does(monkeypatch):
+    """vLLM's CPU warm-up runs the model over a whole step's tokens for a compile; an eager interp engine compiles
+    nothing and warms up on ``WARM_UP_TOKENS``; a compiled one, or an engine without interp ops, keeps vLLM's."""
+    from vllm.config import CompilationMode
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from interp_runner.plugin import runner_patches
+
+    calls: list = []
+    monkeypatch.setattr(CPUModelRunner, "warming_up_model", lambda self: calls.append(("vllm", None)))
+    monkeypatch.setattr(CPUModelRunner, "_interp_original_warm_up", None, raising=False)
+    monkeypatch.delattr(CPUModelRunner, "_interp_original_warm_up")  # patched afresh; both restored after
+    runner_patches.instrument_cpu_warm_up()
+
+    def runner(state, mode):
+        return NS(_interp_state=state, compilation_config=NS(mode=mode), max_num_tokens=4096,
+                  _dummy_run=lambda n, is_profile: calls.append(("dummy", n)) or (None, "last"),
+                  _dummy_sampler_run=lambda last: calls.append(("sampler", last)))
+
+    CPUModelRunner.warming_up_model(runner(object(), CompilationMode.NONE))
+    assert calls == [("dummy", runner_patches.WARM_UP_TOKENS), ("sampler", "last")]
+    for state, mode in ((None, CompilationMode.NONE), (object(), CompilationMode.VLLM_COMPILE)):
+        calls.clear()
+        CPUModelRunner.warming_up_model(runner(state, mode))
+        assert calls == [("vllm", None)]
 
 
 def test_compile_cache_key_carries_plugin_fingerprint_and_sites():

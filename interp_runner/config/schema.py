@@ -259,6 +259,9 @@ class Sampling(Strict):
     teacher_forcing: str | None = None
 
 
+CPU_PACKED_BLOCK_SIZE = 32
+
+
 class EngineConfig(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # null: torch.compile + CUDA graphs on a GPU for plans that generate text, eager otherwise (``resolved``)
@@ -275,9 +278,11 @@ class EngineConfig(Strict):
     # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): a request's numbers no longer depend on what it
     # was batched with, so GPU reruns reproduce bit for bit (slower; GPU only)
     batch_invariant: bool = False
+    # vLLM's KV-cache block size in tokens; null: vLLM's (16 on a GPU, 128 on a CPU), but 32 on a CPU that packs
+    # cells, each padded to a whole block (``resolved``)
+    block_size: int | None = Field(None, ge=16, multiple_of=16)
     # causal-trace cells that share a prompt prefix run packed into shared engine requests (``packing``), each
-    # skipping the layers below its lowest restore; default: on a GPU (CPU blocks are 128 tokens: padding each
-    # cell to a block would cost more than packing saves)
+    # skipping the layers below its lowest restore; null: on
     pack_cells: bool | None = None
     # packed cells enter the model at a multiple of this many layers (their lowest restore rounded down): fewer
     # distinct entry layers mean less host work per step (attention metadata, kept streams) for a few more layers
@@ -291,15 +296,17 @@ class EngineConfig(Strict):
         return not (gpu and decodes) if self.enforce_eager is None else self.enforce_eager
 
     def resolved(self, gpu: bool, decodes: bool) -> EngineConfig:
-        """This config with ``enforce_eager`` decided (``eager``) for a plan that does or does not ``decode``."""
-        return self.model_copy(update={"enforce_eager": self.eager(gpu, decodes)})
+        """This config with ``enforce_eager`` decided (``eager``) for a plan that does or does not ``decode``, and
+        on a CPU that packs cells, 32-token blocks where ``block_size`` is open: vLLM's CPU default of 128 would pad
+        each cell's few tokens to 128, and its CPU attention prefers multiples of 32 (bench/RESULTS.md, "CPU
+        measurements")."""
+        update = {"enforce_eager": self.eager(gpu, decodes)}
+        if self.block_size is None and not gpu and self.packs_cells():
+            update["block_size"] = CPU_PACKED_BLOCK_SIZE
+        return self.model_copy(update=update)
 
     def packs_cells(self) -> bool:
-        if self.pack_cells is not None:
-            return self.pack_cells
-        import torch
-
-        return torch.cuda.is_available()
+        return True if self.pack_cells is None else self.pack_cells
 
 
 class ModelConfig(Strict):

@@ -20,6 +20,7 @@ def register() -> None:
     ops.register_ops()
     layers.instrument_decoder_layers()
     runner_patches.instrument_model_runner()
+    runner_patches.instrument_cpu_warm_up()
     prefix_cache.instrument_block_hashing()
     _registered = True
 

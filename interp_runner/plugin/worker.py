@@ -52,11 +52,12 @@ class InterpWorkerExtension:
     def interp_checksum(self) -> dict:
         return self._interp().checksum()
 
-    def interp_collect(self, rids: list[str], packed: bool = True) -> dict:
+    def interp_collect(self, rids: list[str], packed: bool = True, carriers: list[str] = ()) -> dict:
         """Results of finished requests; ``packed`` for callers in another process (arrays do not survive
-        ``collective_rpc`` from worker processes as arrays)."""
+        ``collective_rpc`` from worker processes as arrays). ``carriers``: finished engine requests that carried
+        some of them (packed cells), whose hold on the bank ends too."""
         state = self._interp()
-        state.finished(rids)
+        state.finished([*rids, *carriers])
         if not state.is_result_rank:
             return {}
         results = state.collect(rids)
