@@ -179,7 +179,7 @@ def _kv_cache(cfg: RunBase, facts: ModelFacts, gpu: bool) -> list:
     budget = e.kv_cache_memory_bytes if e.kv_cache_memory_bytes is not None else None if gpu else CPU_KV_CACHE_BYTES
     if budget is None:
         return []
-    block = e.resolved(gpu, decodes=True).block_size or (GPU_BLOCK_TOKENS if gpu else CPU_BLOCK_TOKENS)
+    block = e.kv_block_size(gpu) or (GPU_BLOCK_TOKENS if gpu else CPU_BLOCK_TOKENS)
     kv_heads = max(1, facts.num_kv_heads // e.tensor_parallel_size)
     per_token = 2 * facts.num_layers * kv_heads * facts.head_dim * DTYPE_BYTES[model_dtype(cfg, facts)]
     needed = math.ceil(e.max_model_len / block) * block * per_token

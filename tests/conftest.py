@@ -129,3 +129,22 @@ def cached_tokenizers():
     pipeline.load_tokenizer = functools.lru_cache(maxsize=None)(original)
     yield
     pipeline.load_tokenizer = original
+
+
+class FakeEngineBase:
+    """The engine interface the pipeline drives, doing nothing."""
+
+    dtype = "float32"
+    status = {"loaded": True}
+
+    def __init__(self, *args):
+        pass
+
+    def supports(self, spec):
+        return True
+
+    def register_sources(self, sources):
+        pass
+
+    def release_sources(self, keys):
+        pass

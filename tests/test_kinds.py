@@ -11,7 +11,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from conftest import REPO, base_config
+from conftest import REPO, FakeEngineBase, base_config
 from interp_runner.config import ConfigError
 from interp_runner.config.schema import Sampling
 from interp_runner.engine import RequestResult
@@ -151,21 +151,12 @@ SITE = site_id(0, "post_block")
 OWN = np.full(4, 0.5, np.float32)
 
 
-class Recorder:
+class Recorder(FakeEngineBase):
     """The engine interface ``execute`` drives: records what it is asked to run and with which vectors; every
     request captures one row at ``SITE`` holding its prompt index + 1."""
 
     def __init__(self):
         self.calls = []
-
-    def supports(self, spec):
-        return True
-
-    def register_sources(self, sources):
-        pass
-
-    def release_sources(self, keys):
-        pass
 
     def run(self, requests, vectors=None, use_tqdm=True, progress=None):
         self.calls.append(([r.rid for r in requests], vectors))

@@ -11,7 +11,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from conftest import base_config
+from conftest import FakeEngineBase, base_config
 from interp_runner import provenance
 from interp_runner.engine import RequestResult
 from interp_runner.kinds.prompts import KIND as PROMPTS
@@ -296,25 +296,6 @@ def test_a_run_that_fails_before_any_unit_leaves_nothing(tmp_path):
         run(config, tmp_path / "run", overrides=["store.path=x"], engine_factory=FailingEngine, log=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no store, no unfinished run, no lock
     assert not (tmp_path / "run").exists()
-
-
-class FakeEngineBase:
-    """The engine interface the pipeline drives, doing nothing."""
-
-    dtype = "float32"
-    status = {"loaded": True}
-
-    def __init__(self, *args):
-        pass
-
-    def supports(self, spec):
-        return True
-
-    def register_sources(self, sources):
-        pass
-
-    def release_sources(self, keys):
-        pass
 
 
 def test_engine_failure_mid_run_keeps_the_unfinished_run_marked_failed(tmp_path):

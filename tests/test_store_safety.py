@@ -23,7 +23,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from conftest import REPO, base_config
+from conftest import REPO, FakeEngineBase, base_config
 from interp_runner.config import ConfigError
 from interp_runner.engine import RequestResult
 from interp_runner.journal import INDEX, Journal
@@ -31,7 +31,7 @@ from interp_runner.pipeline import prepare, run
 from interp_runner.store_claim import StoreTarget
 from interp_runner.store_lock import StoreLock
 from test_cli import interp_run
-from test_store import FakeEngineBase, fake_results, store_config
+from test_store import fake_results, store_config
 
 GOLDEN = REPO / "experiments" / "golden" / "steering_smoke.zarr"
 SMOKE = ("+experiment=steering_smoke", "model=tiny_random", "engine=eager", "sampling.max_tokens=2")

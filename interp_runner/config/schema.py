@@ -296,14 +296,17 @@ class EngineConfig(Strict):
         return not (gpu and decodes) if self.enforce_eager is None else self.enforce_eager
 
     def resolved(self, gpu: bool, decodes: bool) -> EngineConfig:
-        """This config with ``enforce_eager`` decided (``eager``) for a plan that does or does not ``decode``, and
-        on a CPU that packs cells, 32-token blocks where ``block_size`` is open: vLLM's CPU default of 128 would pad
-        each cell's few tokens to 128, and its CPU attention prefers multiples of 32 (bench/RESULTS.md, "CPU
-        measurements")."""
-        update = {"enforce_eager": self.eager(gpu, decodes)}
+        """This config with ``enforce_eager`` (``eager``) and ``block_size`` (``kv_block_size``) decided for a plan
+        that does or does not ``decode``: on a CPU that packs cells, 32-token blocks, as vLLM's CPU default of 128
+        would pad each cell's few tokens to 128 and its CPU attention prefers multiples of 32 (bench/RESULTS.md,
+        "CPU measurements")."""
+        return self.model_copy(update={"enforce_eager": self.eager(gpu, decodes), "block_size": self.kv_block_size(gpu)})
+
+    def kv_block_size(self, gpu: bool) -> int | None:
+        """``block_size``, or where the config leaves it open: 32 on a CPU that packs cells, else None (vLLM's)."""
         if self.block_size is None and not gpu and self.packs_cells():
-            update["block_size"] = CPU_PACKED_BLOCK_SIZE
-        return self.model_copy(update=update)
+            return CPU_PACKED_BLOCK_SIZE
+        return self.block_size
 
     def packs_cells(self) -> bool:
         return True if self.pack_cells is None else self.pack_cells
