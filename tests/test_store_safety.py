@@ -136,19 +136,13 @@ def test_a_store_path_under_a_regular_file_is_refused(tmp_path, area):
     assert snapshot(area) == {"somefile": b"a file"}
 
 
-def test_figures_without_their_store_are_refused(tmp_path, area):
-    (area / "results.figures").mkdir()
-    (area / "results.figures" / "mine.png").write_bytes(b"a figure")
+@pytest.mark.parametrize("companion, file", [("figures", "mine.png"), ("exports", "mine.safetensors")])
+def test_companions_without_their_store_are_refused(tmp_path, area, companion, file):
+    (area / f"results.{companion}").mkdir()
+    (area / f"results.{companion}" / file).write_bytes(b"a file of its own")
     before = snapshot(area)
-    assert_refused(smoke(tmp_path, f"store.path={area / 'results.zarr'}"), "store.path", "results.figures exists")
-    assert snapshot(area) == before
-
-
-def test_exports_without_their_store_are_refused(tmp_path, area):
-    (area / "results.exports").mkdir()
-    (area / "results.exports" / "mine.safetensors").write_bytes(b"a vector")
-    before = snapshot(area)
-    assert_refused(smoke(tmp_path, f"store.path={area / 'results.zarr'}"), "store.path", "results.exports exists")
+    assert_refused(smoke(tmp_path, f"store.path={area / 'results.zarr'}"), "store.path",
+                   f"results.{companion} exists")
     assert snapshot(area) == before
 
 
