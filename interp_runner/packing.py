@@ -9,7 +9,8 @@ tokens, one block-aligned segment per cell::
     [ prefix (positions 0 .. p-1) | cell 0: positions p .. n-1, padding | cell 1: p .. n-1, padding | ... ]
 
 A cell whose payload has a ``start`` layer enters the model there: its segment's residual stream at that layer is
-the one its corrupted run kept, and the layers below are not computed for it.
+the one its corrupted run kept, and the layers below are not computed for it. A cell whose payload has ``reuse``
+computes none of its positions before the restored one: their KV is the one its corrupted run kept.
 
 The plugin runs every segment as its own attention sequence (the prefix's blocks, then the segment's), at the
 positions of the prompt it stands for, and scores each cell at its segment's last prompt token. Each cell computes
@@ -31,7 +32,7 @@ import numpy as np
 from .payload import PAYLOAD_KEY, pack_positions
 from .request_build import EngineRequest
 
-PACKABLE_KEYS = {"rid", "patch", "score", "kv", "kv_private", "start"}
+PACKABLE_KEYS = {"rid", "patch", "score", "kv", "kv_private", "start", "reuse"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ class CellGroup:
         starts = [x.get("start") for _, x in members]
         if any(starts):
             payload["cells"]["start"] = starts
+        reuse = [x.get("reuse") for _, x in members]
+        if any(reuse):
+            payload["cells"]["reuse"] = reuse
         segment = list(self.token_ids[prefix:]) + [self.token_ids[-1]] * (stride - (n - prefix))
         sampling = {**first.sampling, "extra_args": {PAYLOAD_KEY: payload}}
         return PackedRequest(payload["rid"], list(self.token_ids[:prefix]) + segment * len(members), sampling,

@@ -8,7 +8,8 @@ Request payload (msgpack-able)::
      "steer": [[site, phases, vector_key, scale], ...], # phases: PREFILL | DECODE bit mask
      "capture": [[sites, prompt_positions, generated]], # prompt_positions: int32 bytes
      "keep": {"run": run_digest,                        # values kept on the workers as patch sources,
-              "groups": [[sites, prompt_positions]]},   #   keyed ref_key(run, site, position)
+              "groups": [[sites, prompt_positions]],    #   keyed ref_key(run, site, position)
+              "kv": True},                              #   and its prompt's KV, keyed kv_key(run)
      "patch": {"site": int32 bytes, "pos": int32 bytes, # one entry per (site, position):
                "src": [source_key, ...],                #   value <- a * value + b * source
                "a": float32 bytes, "b": float32 bytes},
@@ -17,6 +18,7 @@ Request payload (msgpack-able)::
      "kv_private": int,                                 # KV from here on is this request's alone
      "start": [layer, run_digest],                      # its own positions may skip the layers before
                                                         #   ``layer``: there they equal the run's
+     "reuse": [run_digest, position],                   # its positions before ``position`` equal the run's
      "force": int32 bytes}                              # the tokens it generates, in order (teacher forcing)
 
 Steering vectors are registered on the workers once per engine, keyed by the sha256 of their float32 bytes;
@@ -29,7 +31,8 @@ interventions up to the end of a block are the same; blocks reaching past ``kv_p
 ``start`` says that below ``layer`` the request computes what the run ``run_digest`` computes at the same positions
 (a causal-trace cell restores nothing below its lowest restored layer): where the engine runs cells packed, their
 segments enter the model at ``layer`` with the residual stream the run keeps there (``keep`` at ``pre_attn`` of
-that layer), and skip the layers below.
+that layer), and skip the layers below. ``reuse`` says the same of its positions before ``position``, at every
+layer: packed, a cell computes none of them; the KV its run keeps (``keep`` with ``kv``) is copied into their slots.
 """
 
 from __future__ import annotations
@@ -47,6 +50,14 @@ REF_PREFIX = "ref:"
 ENGINE_KEY = "interp"
 PREFILL = 1
 DECODE = 2
+
+
+KV_PREFIX = "kv:"
+
+
+def kv_key(run_digest: str) -> str:
+    """The key of the prompt KV that the run ``run_digest`` keeps on the workers (released like a source)."""
+    return f"{KV_PREFIX}{run_digest}"
 
 
 def vector_key(vector: np.ndarray) -> str:
@@ -122,6 +133,8 @@ class EngineSpec:
     capture_sites: tuple[int, ...]
     patch_sites: tuple[int, ...] = ()
     bank_rows: int = 0  # patch source rows the workers keep at once
+    kv_rows: int = 0  # prompt positions whose KV the workers keep at once
+    kv_runs: int = 0  # the prompts they are in
     force_tokens: bool = False  # some request's payload has ``force``: the sampler's processor is loaded
 
     def as_additional_config(self) -> dict:
@@ -132,6 +145,8 @@ class EngineSpec:
                 "capture_sites": list(self.capture_sites),
                 "patch_sites": list(self.patch_sites),
                 "bank_rows": int(self.bank_rows),
+                "kv_rows": int(self.kv_rows),
+                "kv_runs": int(self.kv_runs),
             }
         }
 
@@ -142,6 +157,8 @@ class EngineSpec:
             tuple(sorted(set(self.capture_sites) | set(other.capture_sites))),
             tuple(sorted(set(self.patch_sites) | set(other.patch_sites))),
             max(self.bank_rows, other.bank_rows),
+            max(self.kv_rows, other.kv_rows),
+            max(self.kv_runs, other.kv_runs),
             self.force_tokens or other.force_tokens,
         )
 
@@ -151,6 +168,8 @@ class EngineSpec:
             and set(other.capture_sites) <= set(self.capture_sites)
             and set(other.patch_sites) <= set(self.patch_sites)
             and other.bank_rows <= self.bank_rows
+            and other.kv_rows <= self.kv_rows
+            and other.kv_runs <= self.kv_runs
             and (self.force_tokens or not other.force_tokens)
         )
 

@@ -3,7 +3,8 @@ Below every experiment kind; no engine needed.
 
 A plan runs in stages: stage 0 holds the requests that need nothing computed before them; a later stage may patch
 in values an earlier one computed and the workers kept (``refs`` says which request, site and position each source
-reference stands for), or steer with vectors derived from the earlier stages' results (``derive_vectors``).
+reference stands for; a ``kv_key`` stands for a request's prompt KV, with site and position -1), or steer with
+vectors derived from the earlier stages' results (``derive_vectors``).
 """
 
 from __future__ import annotations

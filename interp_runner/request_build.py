@@ -157,12 +157,15 @@ def make_request(
     max_tokens: int | None = None,
     keep: dict | None = None,
     start: list | None = None,
+    reuse: list | None = None,
 ) -> EngineRequest:
     """One engine request; ``keep``: values the workers keep as patch sources; ``start``: [layer, run] below which
-    it computes what ``run`` does (``interp_runner.payload``)."""
+    it computes what ``run`` does; ``reuse``: [run, position] before which it does (``interp_runner.payload``)."""
     payload: dict = {"rid": rid}
     if start is not None:
         payload["start"] = list(start)
+    if reuse is not None:
+        payload["reuse"] = list(reuse)
     if steer:
         payload["steer"] = list(steer)
     if capture:
@@ -179,7 +182,8 @@ def make_request(
         payload["kv"] = ranges
     # a captured (or kept) prompt position other than the last would be skipped by a prefix-cache hit
     read = [positions for _, positions, _ in capture] + [positions for _, positions in (keep or {}).get("groups", ())]
-    reads_prompt = any(unpack_positions(positions).min(initial=n) < n - 1 for positions in read)
+    reads_prompt = any(unpack_positions(positions).min(initial=n) < n - 1 for positions in read) \
+        or bool((keep or {}).get("kv"))
     sampling = {
         "max_tokens": s.max_tokens if max_tokens is None else max_tokens,
         "temperature": s.temperature,
@@ -232,6 +236,7 @@ def mark_private_kv(requests: Sequence[EngineRequest]) -> None:
 def engine_spec_of(requests: Sequence[EngineRequest], bank_rows: int) -> EngineSpec:
     steer, capture, site_columns = set(), set(), set()
     forces = False
+    kv_rows = kv_runs = 0
     for r in requests:
         p = r.payload
         if p is None:
@@ -242,11 +247,15 @@ def engine_spec_of(requests: Sequence[EngineRequest], bank_rows: int) -> EngineS
             capture.update(s for e in p["capture"] for s in e[0])
         if p.get("keep"):
             capture.update(s for e in p["keep"].get("groups", ()) for s in e[0])  # kept through captures
+            if p["keep"].get("kv"):
+                kv_rows += len(r.prompt.token_ids)
+                kv_runs += 1
         if "patch" in p:
             site_columns.add(p["patch"]["site"])  # few distinct ones: decoded once each
         forces = forces or "force" in p
     patch = {site for column in site_columns for site in unpack_positions(column).tolist()}
-    return EngineSpec(tuple(sorted(steer)), tuple(sorted(capture)), tuple(sorted(patch)), bank_rows, forces)
+    return EngineSpec(tuple(sorted(steer)), tuple(sorted(capture)), tuple(sorted(patch)), bank_rows, kv_rows, kv_runs,
+                      forces)
 
 
 def requests_hash(requests: Sequence[EngineRequest]) -> str:

@@ -57,6 +57,7 @@ def base_config(model: str = "tiny_random", **overrides) -> dict:
 
 
 BANK_ROWS = 8192
+KV_ROWS, KV_RUNS = 4096, 64  # prompt positions whose KV an engine keeps, in that many prompts (corrupted runs)
 ALL_HOOKS = ["pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"]
 
 
@@ -66,13 +67,14 @@ def every_site(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(site_id(layer, hook) for layer in range(num_layers) for hook in ALL_HOOKS))
 
 
-def build_engine(path: Path, steer_sites, capture_sites, patch_sites=(), bank_rows=0, **engine):
+def build_engine(path: Path, steer_sites, capture_sites, patch_sites=(), bank_rows=0, kv_rows=0, kv_runs=0,
+                 **engine):
     from interp_runner.config.schema import EngineConfig
     from interp_runner.engine import VllmEngine
     from interp_runner.payload import EngineSpec
 
     settings = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 16, **engine}
-    spec = EngineSpec(tuple(steer_sites), tuple(capture_sites), tuple(patch_sites), bank_rows)
+    spec = EngineSpec(tuple(steer_sites), tuple(capture_sites), tuple(patch_sites), bank_rows, kv_rows, kv_runs)
     return VllmEngine(str(path), EngineConfig(**settings), spec)
 
 
@@ -96,7 +98,7 @@ def engine_at_every_site(path: Path, num_layers: int, **engine):
     """An engine (fp32, eager unless overridden) with steering, capture and patch ops at every site; closed
     after use."""
     sites = every_site(num_layers)
-    built = build_engine(path, sites, sites, sites, BANK_ROWS, **engine)
+    built = build_engine(path, sites, sites, sites, BANK_ROWS, KV_ROWS, KV_RUNS, **engine)
     yield built
     built.close()
 

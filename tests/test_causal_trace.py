@@ -90,29 +90,38 @@ def test_the_grid_compiles_into_one_batched_stage():
 def test_runs_keep_exactly_the_values_cells_read(pack, stride):
     """Each clean run keeps on the workers the (site, position) values its fact's cells restore; with packed
     cells, each corrupted run also keeps its residual stream at the layers its cells start from (their lowest
-    restored layer, rounded down to a multiple of ``cell_entry_stride``), and nothing more: the bank is sized for
-    those (``Plan.refs``) and the plan releases them."""
-    from interp_runner.payload import ref_key, unpack_positions
+    restored layer, rounded down to a multiple of ``cell_entry_stride``) and its prompt's KV (which its cells
+    reuse before their restored token), and nothing more: the bank is sized for those values, the KV rows for
+    those prompts (``Plan.refs``), and the plan releases them."""
+    from interp_runner.payload import kv_key, ref_key, unpack_positions
 
     config = trace_config("tiny_random", kinds=["resid", "mlp", "attn"], layers=[0, 3], window=2,
                           noise={"samples": 2})
     config["engine"].update(pack_cells=pack, cell_entry_stride=stride)
     plan = prepare(config).plan
-    kept, runs = set(), {}
+    kept, runs, kv_prompts = set(), {}, []
     for r in plan.requests:
         keep = (r.payload or {}).get("keep")
         if keep:
             runs[r.rid] = keep["run"]
             kept |= {ref_key(keep["run"], site, p) for sites, positions in keep["groups"] for site in sites
                      for p in unpack_positions(positions).tolist()}
+            if keep.get("kv"):
+                assert r.meta["part"] == "corrupt" and r.sampling["skip_reading_prefix_cache"]  # every position
+                kept.add(kv_key(keep["run"]))
+                kv_prompts.append(len(r.prompt.token_ids))
     assert kept == set(plan.refs)
-    assert plan.engine_spec.bank_rows == len(plan.refs) + len(plan.sources)
+    assert bool(kv_prompts) == pack
+    assert plan.engine_spec.bank_rows == len(plan.refs) + len(plan.sources) - len(kv_prompts)
+    assert (plan.engine_spec.kv_rows, plan.engine_spec.kv_runs) == (sum(kv_prompts), len(kv_prompts))
     cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
     # window 2 at layer 3: layers 2 and 3 (mlp, attn); resid at layer 3 (2 with stride 2); layer 0 starts at the
     # bottom
     want = {("resid", 0): None, ("mlp", 0): None, ("attn", 0): None, ("resid", 3): 3 if stride == 1 else 2,
             ("mlp", 3): 2, ("attn", 3): 2}
     for r in cells:
+        run = runs.get(corrupt_rid(r.meta["fact"], r.meta["sample"]))
+        assert r.payload.get("reuse") == ([run, r.meta["token"]] if pack else None)
         start = r.payload.get("start")
         layer = want[r.meta["kind"], r.meta["layer"]]
         if not pack or layer is None:
@@ -411,6 +420,8 @@ def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path, monkeypatch)
     for pack in (False, True):
         plan, results[pack] = run_packed(tiny_engine, config, pack)
     assert computed  # packed cells restoring above layer 0 skipped the layers below
+    reused = tiny_engine.llm.collective_rpc("interp_status")[0]["reused_kv_rows"]
+    assert reused > 0  # cells computed no position before their restore: their runs' kept KV stood for them
     assert any(rows < total for rows, total in computed)  # segments' padding is never computed
     core, calls = tiny_engine.llm.llm_engine.engine_core, []
     for name in ("add_request", "get_output"):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import build_engine, every_site
+from conftest import KV_ROWS, KV_RUNS, build_engine, every_site
 from test_causal_trace import hf_trace, run_packed, trace_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
@@ -25,8 +25,8 @@ def trace_engine(smollm2_path, request):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     sites = every_site(30)
-    eng = build_engine(smollm2_path, (), sites, sites, 4096, dtype=request.param, enforce_eager=False,
-                       max_model_len=2048, max_num_seqs=64, kv_cache_memory_bytes=2 << 30)
+    eng = build_engine(smollm2_path, (), sites, sites, 4096, KV_ROWS, KV_RUNS, dtype=request.param,
+                       enforce_eager=False, max_model_len=2048, max_num_seqs=64, kv_cache_memory_bytes=2 << 30)
     eng.test_dtype = request.param
     yield eng
     eng.close()
@@ -42,6 +42,7 @@ def test_packed_cells_match_cells_alone_and_hf(trace_engine, smollm2_path):
     for pack in (True, False):
         plan, runs[pack] = run_packed(trace_engine, config, pack)
     cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
+    assert trace_engine.llm.collective_rpc("interp_status")[0]["reused_kv_rows"] > 0  # cells reused their runs' KV
     for fact in plan.layout.facts:
         ids, subject = list(fact.clean.token_ids), list(fact.subject_positions)
         mine = [r for r in cells if r.meta["fact"] == fact.index]

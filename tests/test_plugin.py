@@ -446,3 +446,44 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
     assert applied() == [(0, 0, bank["s1"], [0.0, 1.0]), (0, 5, bank["s2"], [0.5, 0.5])]
     state.before_forward(_runner(requests, [("a", 4, 4)]), 4)
     assert applied() == [(1, 1, bank["s3"], [0.25, 0.75])]  # site 9 (index 1), position 5: the later entry
+
+
+def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_user():
+    """A run's prompt KV is kept as whole KV-cache blocks (however a backend lays positions out inside one), is
+    offered only once every position asked for is written, is copied into other blocks as it was, and is freed once
+    released and no cell uses it."""
+    import numpy as np
+    import torch
+
+    from interp_runner.payload import kv_key
+    from interp_runner.plugin.kept_kv import KeptKV
+    from interp_runner.plugin.records import RequestPlan
+    from interp_runner.plugin.staging import PinnedRing
+
+    block, num_blocks, layers = 4, 8, 2
+    caches = [torch.randn(num_blocks, 2, block, 6) for _ in range(layers)]
+    slots = torch.tensor([4 * block + i for i in range(block)] + [6 * block + i for i in range(block)])
+    view = NS(kv_caches=lambda: caches, slot_mapping=lambda: slots)  # the run's 8 rows: blocks 4 and 6
+    cpu = torch.device("cpu")
+    kept = KeptKV(3, layers, caches[0][0].numel(), block, torch.float32, cpu, PinnedRing.for_device(cpu),
+                  lambda *a: None)
+    assert kept.reserve("run", 6) and not kept.reserve("run", 6)  # kept once
+    assert kept.rows("run", 0, 1) is None  # nothing computed yet
+    plan = RequestPlan(rid="r", prompt_len=6, kv_keep="run")
+    kept.plan_out(view, [plan], np.array([0, 6]), np.array([0]))  # prompt positions 0..5 in one step
+    kept.after_forward()
+    rows = kept.rows("run", 0, 6)
+    assert len(rows) == 2 and kept.rows("run", 0, 7) is None
+    before = [c.clone() for c in caches]
+    kept.copy_in(view, torch.tensor([0 * block + 1, 2 * block]), torch.from_numpy(rows))  # into blocks 0 and 2
+    for c, old in zip(caches, before):
+        torch.testing.assert_close(c[0], old[4], rtol=0, atol=0)
+        torch.testing.assert_close(c[2], old[6], rtol=0, atol=0)
+        torch.testing.assert_close(c[1], old[1], rtol=0, atol=0)
+    assert not kept.reserve("other", 8)  # 2 blocks needed, 1 free
+    kept.use("run")  # a packed request's cells reuse it
+    kept.finish(("run",), writer=True)
+    kept.release([kv_key("run")])
+    assert kept.rows("run", 0, 6) is not None  # still in use
+    kept.finish(("run",))
+    assert kept.rows("run", 0, 6) is None and kept.reserve("other", 8)

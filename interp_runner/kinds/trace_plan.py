@@ -22,7 +22,7 @@ from ..config.schema import RunBase, resolve_path
 from ..inputs import read_rows
 from ..models.facts import ModelFacts
 from ..patching import align, keep_groups, run_digest, span_positions
-from ..payload import ref_key, vector_key
+from ..payload import kv_key, ref_key, vector_key
 from ..plan import Plan, bank_rows_for
 from ..prompt_set import answer_token, check_length, check_vocabulary, require_plain_prompts
 from ..request_build import (
@@ -194,6 +194,7 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
     requests: list[EngineRequest] = []
     sources: dict[str, np.ndarray] = {}
     refs: dict[str, tuple[str, int, int]] = {}
+    kv_refs: dict[str, tuple[str, int, int]] = {}
     for fact in facts:
         f = fact.index
         condition = clean_rid(f) if trace.filter else None
@@ -239,7 +240,12 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
                 for pos in positions:
                     refs[ref_key(base, site, pos)] = (corrupt_rid(f, sample), site, pos)
             stream = {"run": base, "groups": keep_groups({site: set(positions) for site in stream_sites})} \
-                if stream_sites else None
+                if stream_sites else {"run": base, "groups": []}
+            if skip_layers:  # its KV stands for its cells' positions before their restores
+                stream["kv"] = True
+                kv_refs[kv_key(base)] = (corrupt_rid(f, sample), -1, -1)
+            elif not stream_sites:
+                stream = None
             requests.append(make_request(corrupt_rid(f, sample), fact.corrupt, s, patch=noise_patch, max_tokens=1,
                                          meta=meta, keep=stream))
             requests.append(make_request(corrupt_rid(f, sample, True), fact.corrupt, s, patch=noise_patch,
@@ -252,8 +258,10 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
                 requests.append(make_request(
                     cell_rid(f, kind, layer, token, sample), fact.corrupt, s, patch=patch, max_tokens=1, stage=1,
                     role="patched", condition=condition, start=[start, base] if stream_sites and start > 0 else None,
+                    reuse=[base, token] if skip_layers else None,
                     meta={"fact": f, "part": "cell", "kind": kind, "layer": layer, "token": token, "sample": sample}))
     bank = bank_rows_for(cfg, len(sources) + len(refs))
+    refs.update(kv_refs)  # released with the refs, kept outside the bank
     mark_private_kv(requests)
     return Plan(
         requests=tuple(requests), vectors={}, engine_spec=engine_spec_of(requests, bank), captures=(), kind=kind_name,

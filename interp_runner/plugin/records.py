@@ -72,6 +72,10 @@ class CellLayout:
     # for padding)
     start: np.ndarray | None = None
     inject: np.ndarray | None = None
+    # cells that reuse their run's KV: each one's first computed position, and the kept KV rows of the positions
+    # before it, by segment offset
+    reuse_from: np.ndarray | None = None
+    reuse_rows: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -88,4 +92,6 @@ class RequestPlan:
     void: str | None = None  # why its patches cannot be applied
     cells: CellLayout | None = None
     streams: tuple[StreamKey, ...] = ()  # the kept streams its cells start from
+    kv_keep: str | None = None  # the run whose prompt KV it writes (``kept_kv``)
+    kv_runs: tuple[str, ...] = ()  # the runs whose kept KV its cells reuse
     keep: list[KeptGroup] = field(default_factory=list)

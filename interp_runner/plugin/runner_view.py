@@ -63,6 +63,13 @@ class RunnerView(Protocol):
 
     def metadata_builders(self) -> Iterator[object]: ...
 
+    # kept KV (``kept_kv``)
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The KV cache of each decoder layer, in layer order."""
+
+    def slot_mapping(self) -> torch.Tensor:
+        """The KV-cache slot of each of the running step's rows, in batch order (one KV-cache group)."""
+
 
 class V1RunnerView:
     """vLLM's V1 ``GPUModelRunner``: its persistent input batch and buffers."""
@@ -125,3 +132,14 @@ class V1RunnerView:
             raise RuntimeError("interp: packed cells need a model with one KV-cache group")
         for group in self.runner.attn_groups[0]:
             yield from group.metadata_builders
+
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.runner.kv_caches
+
+    def slot_mapping(self) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context
+
+        mapping = get_forward_context().slot_mapping
+        if not isinstance(mapping, dict) or not mapping:
+            raise RuntimeError("interp: kept KV needs the step's slot mapping per layer")
+        return next(iter(mapping.values()))

@@ -7,6 +7,7 @@ a step:
 
 - ``steering.SteeringTable``: registered vectors, ``table[site, slot]`` and each row's slot;
 - ``bank.PatchBank``: patch source values (registered, or kept from a step that computes them) and kept streams;
+- ``kept_kv.KeptKV``: runs' prompt KV, kept for the packed cells that reuse it;
 - ``patches.PatchRows``: the bank row and coefficients of the patch at each row of a patch site;
 - ``capture.CaptureBuffer``: the rows each capture site copies out, for the host or into the bank;
 - ``readback.Readback``: scores and captured rows held on the device, read back in bulk; per-request results;
@@ -33,6 +34,7 @@ from interp_runner.payload import unpack_positions
 from .bank import PatchBank
 from .capture import CaptureBuffer, capture_groups
 from .checksum import RankChecksum
+from .kept_kv import KeptKV
 from .ops import activate, active_state
 from .patches import PatchRows
 from .readback import Readback
@@ -104,7 +106,8 @@ class InterpState:
         self.readback = Readback(self.is_result_rank, staging)
         self.capture = CaptureBuffer(tuple(spec["capture_sites"]), hidden_size, dtype, device, max_rows,
                                      self.patch_bank, self.readback, staging, fold)
-        self.packing = PackedSequences(self.patch_bank, staging, fold)
+        self.kept_kv = KeptKV.for_engine(vllm_config, spec, staging, fold)
+        self.packing = PackedSequences(self.patch_bank, self.kept_kv, staging, fold)
         self.steer_sites, self.capture_sites = self.steering.sites, self.capture.sites
         self.patch_sites, self.patch_index = self.patches.sites, self.patches.index
 
@@ -159,6 +162,7 @@ class InterpState:
         return self.patch_bank.register(sources)
 
     def release_sources(self, keys: list[str]) -> int:
+        self.kept_kv.release(keys)
         return self.patch_bank.release(keys)
 
     # -- requests -----------------------------------------------------------------------------------
@@ -171,9 +175,12 @@ class InterpState:
             plan.prefill_slot, plan.decode_slot = slots.prefill, slots.decode
         if payload.get("capture"):
             plan.capture_groups = capture_groups(payload["capture"])
-        if payload.get("keep"):
-            plan.keep, writes = self.patch_bank.reserve_kept(payload["keep"])
+        keep = payload.get("keep")
+        if keep:
+            plan.keep, writes = self.patch_bank.reserve_kept(keep)
             plan.bank_keys += tuple(writes)
+            if keep.get("kv") and self.kept_kv.reserve(keep["run"], prompt_len):
+                plan.kv_keep = keep["run"]
         if payload.get("score") is not None:
             plan.score_ids = unpack_positions(payload["score"]).astype(np.int64)
         if payload.get("patch"):
@@ -229,6 +236,9 @@ class InterpState:
     def _release(self, plan: RequestPlan | None) -> None:
         if plan is not None:
             self.patch_bank.finish(plan.bank_keys, plan.streams)
+            self.kept_kv.finish(plan.kv_runs)
+            if plan.kv_keep is not None:
+                self.kept_kv.finish((plan.kv_keep,), writer=True)
             if plan.steer_key is not None:
                 self.steering.release(plan.steer_key)
 
@@ -281,6 +291,8 @@ class InterpState:
         row_of = self.packing.row_of
         self.patches.plan(plans, starts, computed, row_of)
         readback.plan(plans, starts, computed)
+        if self.kept_kv.keeping:
+            self.kept_kv.plan_out(view, plans, starts, computed)
         num_tokens = int(starts[n])
         self.steering.plan(plans, starts, computed, num_rows, num_tokens, row_of)
         captures = self.capture.plan(plans, starts, computed, row_of)
@@ -313,6 +325,7 @@ class InterpState:
         """Keep this step's captured rows (on the device; read back in bulk); copy its kept rows into the bank,
         whose keys then count as registered."""
         self.capture.after_forward(self.is_result_rank)
+        self.kept_kv.after_forward()
 
     # -- results ------------------------------------------------------------------------------------
     def checksum(self) -> dict:

@@ -22,13 +22,15 @@ from .records import CellLayout, RequestPlan, StreamKey
 
 
 class PackedSequences:
-    def __init__(self, bank, staging, fold):
+    def __init__(self, bank, kept_kv, staging, fold):
         # a step with packed cells: its attention sequences (the metadata builders read them), and, where it skips
         # layers, the model row of each batch row and each builder's metadata per number of leading sequences
         self.sequences: dict | None = None
         self.row_of: np.ndarray | None = None
         self.layer_metadata: dict[int, dict[int, object]] = {}
         self._bank = bank
+        self._kept_kv = kept_kv
+        self.reused_rows = 0  # rows packed cells did not compute, their runs' kept KV standing for them
         self._staging = staging
         self._fold = fold
 
@@ -48,6 +50,8 @@ class PackedSequences:
                                 list(cells["rids"]), [scored[ids] for ids in cells["score"]])
         if cells.get("start") and plan.void is None:
             self._admit_starts(plan, cells["start"])
+        if cells.get("reuse") and plan.void is None:
+            self._admit_reuse(plan, cells["reuse"])
 
     def _admit_starts(self, plan: RequestPlan, starts: list) -> None:
         """Each cell's first layer and the bank rows of the stream its segment starts from there."""
@@ -79,6 +83,31 @@ class PackedSequences:
         self._bank.use_streams(plan.streams)
         self._fold(b"start", first, inject)
 
+    def _admit_reuse(self, plan: RequestPlan, reuse: list) -> None:
+        """Each cell's first computed position: the one its ``reuse`` names, where its run's KV of the positions
+        before is kept (else its segment's first), and the kept blocks of its segment's blocks before it."""
+        cells, kept = plan.cells, self._kept_kv
+        first = np.full(len(reuse), cells.prefix, dtype=np.int64)
+        table = np.zeros((len(reuse), cells.stride // kept.block_size), dtype=np.int64)
+        runs: dict[str, None] = {}
+        for k, entry in enumerate(reuse):
+            if not entry:
+                continue
+            run, position = entry[0], min(int(entry[1]), cells.prefix + cells.length - 1)
+            rows = kept.rows(run, cells.prefix, position) if position > cells.prefix else None
+            if rows is None:
+                continue
+            first[k] = position
+            table[k, : len(rows)] = rows
+            runs.setdefault(run)
+        if not runs:
+            return
+        cells.reuse_from, cells.reuse_rows = first, table
+        plan.kv_runs = tuple(runs)
+        for run in runs:
+            kept.use(run)
+        self._fold(b"reuse", first, table)
+
     # -- per step -----------------------------------------------------------------------------------
     def plan(self, plans: list, batch, view) -> CellScores | None:
         """Split each packed request of the step (``batch``, from the runner ``view``) into attention sequences, put
@@ -90,30 +119,42 @@ class PackedSequences:
         block = view.block_size
         staging = self._staging
         # per request, its sequences: (query starts, query lengths, sequence lengths, token shifts, first shifted
-        # block, first layer, tokens before a segment's padding); a request that is not packed is one sequence
+        # block, first layer, tokens before a segment's padding, tokens at its front whose kept KV it reuses); a
+        # request that is not packed is one sequence
         parts, part_owner = [], []
         score_rows, score_rids, score_ids = [], [], []
         inject_rows, inject_at = [], []  # cells that skip layers: bank rows of their tokens' stream, first row
+        reuse_at, reuse_rows = [], []  # a batch row in each block whose kept KV is copied in, and the kept block
         for i, plan in enumerate(plans):
             first, count = int(computed[i]), int(starts[i + 1] - starts[i])
             end = first + count
             cells = plan.cells if plan is not None else None
             if cells is None or end <= cells.prefix:
-                parts.append(([starts[i]], [count], [end], [0], [0], [0], [count]))
+                parts.append(([starts[i]], [count], [end], [0], [0], [0], [count], [0]))
                 part_owner.append(i)
                 continue
             p, stride = cells.prefix, cells.stride
             if first < p:
-                parts.append(([starts[i]], [p - first], [p], [0], [0], [0], [p - first]))
+                parts.append(([starts[i]], [p - first], [p], [0], [0], [0], [p - first], [0]))
                 part_owner.append(i)
             lo = max(first, p)
             k = np.arange((lo - p) // stride, (end - 1 - p) // stride + 1)
             seg_lo = np.maximum(lo, p + k * stride)
             seg_hi = np.minimum(end, p + (k + 1) * stride)
             shift = k * stride
+            live = np.clip(p + shift + cells.length - seg_lo, 0, seg_hi - seg_lo)
+            front = np.zeros_like(k)
+            if cells.reuse_from is not None:
+                front = np.clip(shift + cells.reuse_from[k] - seg_lo, 0, live)
+                if front.any():
+                    offset = np.arange(int(front.sum())) - np.repeat(np.cumsum(front) - front, front)
+                    position = np.repeat(seg_lo - shift, front) + offset  # the reused rows' prompt positions
+                    opens = (position % block == 0) | (offset == 0)  # the first of each block's in this step
+                    reuse_at.append((np.repeat(starts[i] + seg_lo - first, front) + offset)[opens])
+                    reuse_rows.append(cells.reuse_rows[np.repeat(k, front)[opens], (position[opens] - p) // block])
             parts.append((starts[i] + seg_lo - first, seg_hi - seg_lo, seg_hi - shift, shift,
                           np.full(len(k), p // block), cells.start[k] if cells.start is not None else np.zeros_like(k),
-                          np.clip(p + shift + cells.length - seg_lo, 0, seg_hi - seg_lo)))
+                          live, front))
             part_owner.append(i)
             if cells.start is not None:
                 own = seg_lo - p - shift  # the first of each segment's tokens in this step, as a segment offset
@@ -127,28 +168,30 @@ class PackedSequences:
             hit_cells = k[hit].tolist()
             score_rids += [cells.rids[j] for j in hit_cells]
             score_ids += [cells.score_ids[j] for j in hit_cells]
-        q_start, q_len, seq_len, shift, from_block, first_layer, live = (
-            np.concatenate([np.asarray(part[f], dtype=np.int64) for part in parts]) for f in range(7))
+        q_start, q_len, seq_len, shift, from_block, first_layer, live, front = (
+            np.concatenate([np.asarray(part[f], dtype=np.int64) for part in parts]) for f in range(8))
         owner = np.repeat(np.array(part_owner), [len(part[1]) for part in parts])
         self._fold(b"sequences", q_start, q_len, seq_len, shift, first_layer)
         num_tokens = int(starts[n])
         positions = np.repeat(seq_len - q_len - q_start, q_len) + np.arange(num_tokens)
         skip = None
-        if not live.any():  # a step of nothing but padding: computed as it is
-            live = q_len
-        if first_layer.any() or (live < q_len).any():
+        if not (live > front).any():  # a step of nothing but padding or reused positions: computed as it is
+            live, front, reuse_at = q_len, np.zeros_like(q_len), []
+        if first_layer.any() or (live < q_len).any() or front.any():
             # the model runs the sequences in order of their first layer, so a layer's rows are a prefix of them;
-            # segments' padding is never computed (no token of theirs reads it): its rows come last, in no layer
+            # segments' padding is never computed (no token of theirs reads it), nor their positions whose kept KV
+            # is copied in: their rows come last, in no layer
             inject = np.zeros(num_tokens, dtype=np.int64)
             for rows, at in zip(inject_rows, inject_at):
                 inject[at : at + len(rows)] = rows
             order = np.argsort(first_layer, kind="stable")
-            order = order[live[order] > 0]
-            dead = np.flatnonzero(np.arange(num_tokens) - np.repeat(q_start, q_len) >= np.repeat(live, q_len))
+            order = order[live[order] > front[order]]
+            offset = np.arange(num_tokens) - np.repeat(q_start, q_len)
+            dead = np.flatnonzero((offset >= np.repeat(live, q_len)) | (offset < np.repeat(front, q_len)))
             seq_len = seq_len - (q_len - live)
             q_len, seq_len, shift, from_block, first_layer, owner = (
-                x[order] for x in (live, seq_len, shift, from_block, first_layer, owner))
-            old_start, q_start = q_start[order], np.zeros(len(order), dtype=np.int64)
+                x[order] for x in (live - front, seq_len, shift, from_block, first_layer, owner))
+            old_start, q_start = (q_start + front)[order], np.zeros(len(order), dtype=np.int64)
             np.cumsum(q_len[:-1], out=q_start[1:])
             computed_rows = int(q_len.sum())
             perm = np.concatenate([np.repeat(old_start - q_start, q_len) + np.arange(computed_rows), dead])
@@ -162,7 +205,13 @@ class PackedSequences:
                 "rows": np.searchsorted(token_layer, layers, side="right").tolist(),  # a layer's rows
                 "seqs": np.searchsorted(first_layer, layers, side="right").tolist(),  # its sequences
                 "inject": staging.upload(inject[perm[num_first:computed_rows]]),
+                "reuse": None,  # (batch rows, kept blocks): blocks copied in before the layers run
             }
+            if reuse_at:
+                at, rows = np.concatenate(reuse_at), np.concatenate(reuse_rows)
+                skip["reuse"] = (staging.upload(at), staging.upload(rows))
+                self.reused_rows += int(front.sum())
+                self._fold(b"reused", at, rows)
             positions = positions[perm]
             self._fold(b"skip", perm, inject)
         num_seqs = len(q_len)

@@ -8,7 +8,8 @@ a zero ``residual``: vLLM's deferred add then gives that stream exactly. Each at
 for its prefix of sequences, and writes KV for its rows only (layers a segment skips are never read by it). A
 segment's padding (to a whole block) is computed in no layer: no token reads it, so its rows stay zeros. The
 layers run eagerly (a layer's rows vary), with vLLM's fused kernels on GPUs; the interp ops' work is called
-directly, only at the sites that steer, patch or capture something in the step.
+directly, only at the sites that steer, patch or capture something in the step. A cell's positions before its restored
+token are computed in no layer either: its run's kept KV blocks are copied into its segment first (``kept_kv``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def run_layers(view, state, input_ids: torch.Tensor, positions: torch.Tensor) ->
     ids = input_ids.index_select(0, perm)
     first = rows[0]
     saved = dict(context.attn_metadata), dict(context.slot_mapping)
+    if skip["reuse"] is not None:  # cells' positions their runs computed: their kept KV blocks
+        at, kept_rows = skip["reuse"]
+        state.kept_kv.copy_in(view, view.slot_mapping().index_select(0, at), kept_rows)
     hidden = inner.embed_input_ids(ids[:first])
     residual = None
     state.call_ops_directly(True)  # the interp ops' work called directly, where it has any

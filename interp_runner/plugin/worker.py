@@ -33,6 +33,8 @@ class InterpWorkerExtension:
             "capture_sites": list(state.capture_sites),
             "patch_sites": list(state.patch_sites),
             "bank_rows": state.patch_bank.values.shape[0] - 1,
+            "kv_blocks": 0 if state.kept_kv.values is None else state.kept_kv.values.shape[1],
+            "reused_kv_rows": state.packing.reused_rows,
             "result_rank": state.is_result_rank,
         }
 
