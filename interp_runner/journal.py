@@ -1,7 +1,7 @@
 """The journal of a run: its finished units of work, what a resumed run takes instead of running them again.
 
 One folder per run (``StoreTarget.journal``), per unit ``stage{S}-unit{K}.json`` (the results' structure and
-scalars, ``interp_runner.result_codec``) and ``stage{S}-unit{K}.npz`` (their arrays), and ``index.json`` listing
+scalars, ``interp_runner.result_codec``) and ``stage{S}-unit{K}.npz`` (their arrays, pooled by dtype), and ``index.json`` listing
 the finished units with the sha256 of each unit's JSON (which holds the sha256 of its arrays). A unit counts as
 finished once it is in the index, which is rewritten atomically after the unit's files are in place. Nothing
 is ever unpickled: the arrays are read with ``allow_pickle=False``. A unit whose files fail their sha256 check,
@@ -24,7 +24,7 @@ from .engine import RequestResult
 from .result_codec import CodecError, decode, encode
 
 INDEX = "index.json"
-FORMAT = "interp-runner-journal/1"
+FORMAT = "interp-runner-journal/2"
 UNIT_FILE = re.compile(r"stage\d+-unit\d+\.(json|npz)")  # a unit's file
 
 

@@ -381,7 +381,7 @@ def test_an_object_array_planted_in_a_unit_is_refused_even_with_matching_hashes(
     evil = np.empty(1, dtype=object)
     evil[0] = Planted(marker)
     with np.load(target.journal / "stage0-unit00000.npz") as arrays:
-        planted = {**dict(arrays), "a0": evil}
+        planted = {**dict(arrays), "p0": evil}
     np.savez(target.journal / "stage0-unit00000.npz", **planted)  # pickles the object array
     rehash(target, "stage0-unit00000")
     with pytest.raises(ConfigError) as err:
@@ -414,6 +414,21 @@ def test_a_json_unit_naming_a_class_is_refused(unfinished, tmp_path):
     with pytest.raises(ConfigError) as err:
         resume(config)
     assert "unknown tag 'py/object'" in str(err.value) and not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("ref", [["p0", 10**9, [2]], ["p0", -1, [1]], ["p9", 0, [1]], ["p0", 0, "2"]],
+                         ids=["past-its-pool", "negative-start", "no-such-pool", "shape-not-a-list"])
+def test_a_json_unit_with_a_bad_array_reference_is_refused(unfinished, ref):
+    config, target = unfinished
+    doc_path = target.journal / "stage0-unit00000.json"
+    doc = json.loads(doc_path.read_bytes())
+    rid = next(iter(doc["results"]))
+    doc["results"][rid]["captures"] = {"array": ref}
+    doc_path.write_text(json.dumps(doc))
+    rehash(target, "stage0-unit00000")
+    with pytest.raises(ConfigError) as err:
+        resume(config)
+    assert err.value.problems[0][0] == "resume" and "unit stage0-unit00000 cannot be read" in str(err.value)
 
 
 def test_a_deleted_unit_runs_again(unfinished):
