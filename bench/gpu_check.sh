@@ -38,6 +38,9 @@ main() {
   [ -f /tmp/gpu-env.sh ] && . /tmp/gpu-env.sh
   export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  # as a user's install does, Python keeps byte-compiled modules (the GPU image turns that off: each process would
+  # compile every module it imports again, ~19 s of an `interp-run`)
+  unset PYTHONDONTWRITEBYTECODE
   # the live tree first; the installed copy supplies the entry point and interp_runner_kernels
   export PYTHONPATH=$REPO:$SITE_IR${PYTHONPATH:+:$PYTHONPATH}
   left() { echo $(( BUDGET - (SECONDS - t_start) )); }
@@ -92,6 +95,7 @@ stage_setup() {
     nvidia-smi || true
     $PY -c "import sys, torch, triton, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA'); print('triton', triton.__version__, 'transformers', transformers.__version__)"
     $PY -c "import vllm; print('vllm', vllm.__version__)"
+    $PY -c "import os, sys, torch, vllm; print('bytecode written:', not sys.dont_write_bytecode, '| writable:', *(os.path.dirname(os.path.dirname(m.__file__)) for m in (torch, vllm) if os.access(os.path.dirname(m.__file__), os.W_OK)))"
   } > "$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
   # a real install, so vLLM discovers the plugin through the vllm.general_plugins entry point
