@@ -5,8 +5,9 @@ step with packed cells each segment runs as its own attention sequence (seeing t
 the positions of the prompt it stands for, and each cell is scored at its last prompt token. Cells whose first
 layer is above 0 enter the model there with the residual stream their run kept in the patch bank: the step then
 runs layer by layer over the sequences in order of first layer (``skipping.run_layers``), and ``row_of`` maps
-batch rows to rows in the model's order. Other requests stay one sequence each; nothing changes in a step without
-packed cells.
+batch rows to rows in the model's order. Cells that reuse their run's KV (``kept_kv``) compute from their restored
+token on: their segment's rows before it are computed in no layer, the kept blocks are copied in instead. Other
+requests stay one sequence each; nothing changes in a step without packed cells.
 """
 
 from __future__ import annotations
