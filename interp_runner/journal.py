@@ -1,12 +1,12 @@
 """The journal of a run: its finished units of work, what a resumed run takes instead of running them again.
 
 One folder per run (``StoreTarget.journal``), per unit ``stage{S}-unit{K}.json`` (the results' structure and
-scalars, ``interp_runner.result_codec``) and ``stage{S}-unit{K}.npz`` (their arrays, pooled by dtype), and ``index.json`` listing
-the finished units with the sha256 of each unit's JSON (which holds the sha256 of its arrays). A unit counts as
-finished once it is in the index, which is rewritten atomically after the unit's files are in place. Nothing
-is ever unpickled: the arrays are read with ``allow_pickle=False``. A unit whose files fail their sha256 check,
-or a file in the folder that the journal did not write, refuses the resume (``ConfigError`` at ``resume``);
-a listed unit whose files were deleted runs again.
+scalars, ``interp_runner.result_codec``) and ``stage{S}-unit{K}.npz`` (their arrays, pooled by dtype), and
+``index.json`` listing the finished units with the sha256 of each unit's JSON (which holds the sha256 of its
+arrays). A unit counts as finished once it is in the index, which is rewritten atomically after the unit's files
+are in place. Nothing is ever unpickled: the arrays are read with ``allow_pickle=False``. A unit whose files
+fail their sha256 check, or a file in the folder that the journal did not write, refuses the resume
+(``ConfigError`` at ``resume``); a listed unit whose files were deleted runs again.
 """
 
 from __future__ import annotations

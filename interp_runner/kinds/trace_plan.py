@@ -239,13 +239,11 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
             for site in stream_sites:
                 for pos in positions:
                     refs[ref_key(base, site, pos)] = (corrupt_rid(f, sample), site, pos)
-            stream = {"run": base, "groups": keep_groups({site: set(positions) for site in stream_sites})} \
-                if stream_sites else {"run": base, "groups": []}
-            if skip_layers:  # its KV stands for its cells' positions before their restores
-                stream["kv"] = True
+            stream = None
+            if skip_layers:  # its stream at its cells' entry layers, and its KV before their restored tokens
+                stream = {"run": base, "groups": keep_groups({site: set(positions) for site in stream_sites}),
+                          "kv": True}
                 kv_refs[kv_key(base)] = (corrupt_rid(f, sample), -1, -1)
-            elif not stream_sites:
-                stream = None
             requests.append(make_request(corrupt_rid(f, sample), fact.corrupt, s, patch=noise_patch, max_tokens=1,
                                          meta=meta, keep=stream))
             requests.append(make_request(corrupt_rid(f, sample, True), fact.corrupt, s, patch=noise_patch,

@@ -72,8 +72,8 @@ class CellLayout:
     # for padding)
     start: np.ndarray | None = None
     inject: np.ndarray | None = None
-    # cells that reuse their run's KV: each one's first computed position, and the kept KV rows of the positions
-    # before it, by segment offset
+    # cells that reuse their run's KV: each one's first computed position, and the kept KV blocks of its segment's
+    # blocks before it, by block of the segment
     reuse_from: np.ndarray | None = None
     reuse_rows: np.ndarray | None = None
 

@@ -8,8 +8,9 @@ a zero ``residual``: vLLM's deferred add then gives that stream exactly. Each at
 for its prefix of sequences, and writes KV for its rows only (layers a segment skips are never read by it). A
 segment's padding (to a whole block) is computed in no layer: no token reads it, so its rows stay zeros. The
 layers run eagerly (a layer's rows vary), with vLLM's fused kernels on GPUs; the interp ops' work is called
-directly, only at the sites that steer, patch or capture something in the step. A cell's positions before its restored
-token are computed in no layer either: its run's kept KV blocks are copied into its segment first (``kept_kv``).
+directly, only at the sites that steer, patch or capture something in the step. A cell's positions before its
+restored token are computed in no layer either: its run's kept KV blocks are copied into its segment first
+(``kept_kv``).
 """
 
 from __future__ import annotations
