@@ -24,6 +24,10 @@ CPU_KV_CACHE_BYTES = 1 << 30
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 _batch_invariant_in_process: bool | None = None  # as set for the first engine of this process
 
+# vLLM sets this to 1 at its import, but only after that import has loaded torch's Inductor config, which reads it
+# once: a GPU engine then starts a pool of compile processes (one per core) to compile its sampler, mid-run
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 
 class EngineError(RuntimeError):
     pass

@@ -5,10 +5,13 @@ Takes the resolved config as a plain dict; knows nothing of Hydra.
 
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import xarray as xr
@@ -18,6 +21,7 @@ from .config import ConfigError
 from .config.schema import resolve_path
 from .engine import EngineError, EnginePool, on_gpu, one_token_no_text
 from .engine_rules import check_engine, check_plan_values
+from .figure_workers import FigureWorkers
 from .kinds import kind_for
 from .kinds.base import Kind
 from .models.facts import ModelFacts, UnsupportedModel, embedding_rows
@@ -184,6 +188,13 @@ def _companion(claim, folder: Path, write, ds: xr.Dataset, cfg: RunConfig, what:
     return written
 
 
+def _figure_workers(kind: Kind, cfg: RunConfig, plan: Plan):
+    """The kind's figure workers, started now where the engine runs on a GPU (its host's cores are free while it
+    runs); on a CPU the engine's threads use every core, and the kind starts its own when it draws."""
+    workers = FigureWorkers.ahead(kind.figure_count(cfg, plan)) if on_gpu() else None
+    return workers or nullcontext()
+
+
 def default_store_path(run_dir: Path) -> Path:
     return run_dir / "results.zarr"
 
@@ -215,6 +226,9 @@ def run(
         log(f"dry run: config valid, requests sha256 {plan.requests_sha256}")
         return None
 
+    # the plan lives as long as the run: no garbage collection traverses it again (vLLM's start collects several
+    # times, a second or more each over a large plan, before it freezes the heap itself, for good; so would exit)
+    gc.freeze()
     store_path = Path(cfg.store.path).expanduser() if cfg.store.path else default_store_path(run_dir)
     manifest = provenance.manifest(config, cfg, facts, plan, list(overrides), started_at)
     # checked and locked before any engine starts; written beside store_path, moved there once complete
@@ -232,17 +246,19 @@ def run(
         timings["engine_s"] = round(time.perf_counter() - t0, 2)
         log(f"engine {'reused' if reused else 'started'} on {facts.path} in {timings['engine_s']:.1f} s "
             f"({engines.builds} built for {engines.runs} runs in this process)")
-        t0 = time.perf_counter()
-        results = execute(engine, plan, log, unit=cfg.store.unit_requests, journal=journal)
-        timings["run_s"] = round(time.perf_counter() - t0, 2)
-        log(f"ran in {timings['run_s']:.1f} s")
-        t0 = time.perf_counter()
-        write_results(staged, kind.dataset(plan, results, facts.hidden_size, prepared.tokenizer))
-        timings["store_s"] = round(time.perf_counter() - t0, 2)
-        written = xr.open_zarr(str(staged), consolidated=False)  # figures and exports show what the store holds
-        t0 = time.perf_counter()
-        figures = _companion(claim, claim.target.figures, kind.figures, written, cfg, "figures", log)
-        timings["figures_s"] = round(time.perf_counter() - t0, 2)
+        with _figure_workers(kind, cfg, plan) as workers:
+            t0 = time.perf_counter()
+            results = execute(engine, plan, log, unit=cfg.store.unit_requests, journal=journal)
+            timings["run_s"] = round(time.perf_counter() - t0, 2)
+            log(f"ran in {timings['run_s']:.1f} s")
+            t0 = time.perf_counter()
+            write_results(staged, kind.dataset(plan, results, facts.hidden_size, prepared.tokenizer))
+            timings["store_s"] = round(time.perf_counter() - t0, 2)
+            written = xr.open_zarr(str(staged), consolidated=False)  # figures and exports show what the store holds
+            t0 = time.perf_counter()
+            figures = _companion(claim, claim.target.figures, partial(kind.figures, workers=workers), written, cfg,
+                                 "figures", log)
+            timings["figures_s"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
         exports = _companion(claim, claim.target.exports, kind.exports, written, cfg, "exports", log)
         timings["exports_s"] = round(time.perf_counter() - t0, 2)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 
 from .payload import DECODE, PAYLOAD_KEY, PREFILL, EngineSpec, digest, pack_positions, unpack_positions
@@ -217,19 +218,24 @@ def mark_private_kv(requests: Sequence[EngineRequest]) -> None:
     # before that range, the range): one small key per range, however long the chain
     chain_of: dict[tuple, int] = {}
     counts: list[int] = []
+    chains: list[tuple] = []  # per request with ranges: (its payload, [(chain, start) per range, starts ascending])
     for r in requests:
-        chain = -1
-        for start, end, d in sorted(r.kv_ranges):
+        payload = r.payload
+        ranges = payload.get("kv") if payload else None
+        if not ranges:
+            continue
+        chain, walked = -1, []
+        for start, end, d in sorted(ranges):
             chain = chain_of.setdefault((chain, start, end, d), len(chain_of))
             if chain == len(counts):
                 counts.append(0)
             counts[chain] += 1
-    for r in requests:
-        chain = -1
-        for start, end, d in sorted(r.kv_ranges):  # starts ascend; a chain longer than a private one is private
-            chain = chain_of[chain, start, end, d]
+            walked.append((chain, start))
+        chains.append((payload, walked))
+    for payload, walked in chains:
+        for chain, start in walked:  # a chain longer than a private one is private
             if counts[chain] == 1:
-                r.payload["kv_private"] = start
+                payload["kv_private"] = start
                 break
 
 
@@ -258,18 +264,15 @@ def engine_spec_of(requests: Sequence[EngineRequest], bank_rows: int) -> EngineS
                       forces)
 
 
+HASH_CHUNK = 4096  # requests per encoded chunk: bounded memory, one C call each
+
+
 def requests_hash(requests: Sequence[EngineRequest]) -> str:
-    """The sha256 of the JSON list of every request's condition, rid, sampling, stage and tokens (keys sorted, no
-    spaces, bytes in hex), fed one request at a time; a prompt's tokens (the last key) are encoded once for all the
-    requests that share it."""
-    encode = json.JSONEncoder(sort_keys=True, default=bytes.hex, separators=(",", ":"), check_circular=False).encode
-    tokens: dict[int, str] = {}
-    h = hashlib.sha256(b"[")
-    for i, r in enumerate(requests):
-        key = id(r.prompt.token_ids)
-        if key not in tokens:
-            tokens[key] = encode(r.prompt.token_ids)
-        item = encode({"condition": r.condition, "rid": r.rid, "sampling": r.sampling, "stage": r.stage})
-        h.update(f'{"," if i else ""}{item[:-1]},"tokens":{tokens[key]}}}'.encode())
-    h.update(b"]")
+    """The sha256 of the MessagePack encoding (map keys sorted) of each request's [condition, rid, sampling, stage,
+    tokens], fed in chunks of ``HASH_CHUNK`` requests, each chunk one MessagePack array."""
+    encode = msgspec.msgpack.Encoder(order="sorted").encode
+    h = hashlib.sha256()
+    for i in range(0, len(requests), HASH_CHUNK):
+        h.update(encode([(r.condition, r.rid, r.sampling, r.stage, r.prompt.token_ids)
+                         for r in requests[i : i + HASH_CHUNK]]))
     return h.hexdigest()

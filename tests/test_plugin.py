@@ -448,6 +448,32 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
     assert applied() == [(1, 1, bank["s3"], [0.25, 0.75])]  # site 9 (index 1), position 5: the later entry
 
 
+def test_a_request_of_many_patch_entries_gets_the_entries_a_few_would(monkeypatch):
+    """Packed cells' requests carry hundreds of entries, sorted in numpy: the same entries, winners and order as the
+    plain path gives, and a site the engine lacks is refused the same way."""
+    import numpy as np
+    import pytest
+    import torch
+
+    from interp_runner.plugin import patches
+
+    sites = (3, 7, 8, 20, 31)
+    rows = patches.PatchRows(sites, torch.zeros(4, 2), "cpu", 512, None, None)
+    rng = np.random.default_rng(0)
+    for n in (33, 64, 400):
+        s, p = rng.choice(sites, n).astype(np.int32), rng.integers(0, 40, n).astype(np.int32)  # with repeats
+        a, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+        patch = {"site": s.tobytes(), "pos": p.tobytes(), "a": a.tobytes(), "b": b.tobytes()}
+        banks = rng.integers(0, 100, n).tolist()
+        monkeypatch.setattr(patches, "MANY_ENTRIES", 10**9)
+        few = rows.entries(patch, banks)
+        monkeypatch.setattr(patches, "MANY_ENTRIES", 32)
+        assert rows.entries(patch, banks) == few and len(few.positions) < n
+    patch["site"] = np.array([*s[:-1], 5], dtype=np.int32).tobytes()  # 5: not a patch site of this engine
+    with pytest.raises(KeyError):
+        rows.entries(patch, banks)
+
+
 def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_user():
     """A run's prompt KV is kept as whole KV-cache blocks (however a backend lays positions out inside one), is
     offered only once every position asked for is written, is copied into other blocks as it was, and is freed once

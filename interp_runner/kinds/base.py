@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     import xarray as xr
     from pydantic import BaseModel
 
+    from ..figure_workers import FigureWorkers
+
 
 @dataclass(frozen=True)
 class Table:
@@ -54,8 +56,12 @@ class Kind(Protocol):
     def dataset(self, plan, results: dict, hidden: int, tokenizer) -> xr.Dataset:
         """Results by request id -> the store's arrays."""
 
-    def figures(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
-        """Figures of the written store, drawn into ``out_dir`` (created by the kind when it draws any); the paths."""
+    def figure_count(self, cfg, plan) -> int:
+        """How many figures the run draws at most (the pipeline may start ``FigureWorkers`` for them early)."""
+
+    def figures(self, ds: xr.Dataset, cfg, out_dir: Path, workers: FigureWorkers | None = None) -> list[Path]:
+        """Figures of the written store, drawn into ``out_dir`` (created by the kind when it draws any), by
+        ``workers`` where it has them; the paths."""
 
     def exports(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
         """Files other tools read (e.g. vectors as .safetensors / .gguf), written into ``out_dir`` (created by the

@@ -23,7 +23,7 @@ from ..models.facts import ModelFacts
 from ..plan import Plan
 from ..result_arrays import value_kind
 from .base import Headline, Section, Table
-from .trace_figures import AVERAGE_FIGURE, heatmap_name, write_figures
+from .trace_figures import AVERAGE_FIGURE, figure_count, heatmap_name, write_figures
 from .trace_grids import trace_dataset
 from .trace_plan import compile_trace
 
@@ -71,8 +71,11 @@ class CausalTraceKind:
     def dataset(self, plan: Plan, results: dict, hidden: int, tokenizer=None) -> xr.Dataset:
         return trace_dataset(plan, results, tokenizer)
 
-    def figures(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
-        return write_figures(ds, out_dir) if cfg.causal_trace.plots else []
+    def figure_count(self, cfg, plan: Plan) -> int:
+        return figure_count(len(plan.layout.facts), len(cfg.causal_trace.kinds)) if cfg.causal_trace.plots else 0
+
+    def figures(self, ds: xr.Dataset, cfg, out_dir: Path, workers=None) -> list[Path]:
+        return write_figures(ds, out_dir, workers) if cfg.causal_trace.plots else []
 
     def exports(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
         return []

@@ -139,7 +139,10 @@ class PromptsKind:
             ds = ds.assign_coords(arrays)
         return ds
 
-    def figures(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
+    def figure_count(self, cfg, plan: Plan) -> int:
+        return 0
+
+    def figures(self, ds: xr.Dataset, cfg, out_dir: Path, workers=None) -> list[Path]:
         return []
 
     def exports(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:

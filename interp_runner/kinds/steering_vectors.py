@@ -366,7 +366,10 @@ class SteeringVectorsKind:
     def dataset(self, plan: Plan, results: dict, hidden: int, tokenizer) -> xr.Dataset:
         return vectors_dataset(plan, results, hidden)
 
-    def figures(self, ds: xr.Dataset, cfg, out_dir: Path) -> list[Path]:
+    def figure_count(self, cfg, plan: Plan) -> int:
+        return int(getattr(cfg, SECTION).eval.plots)
+
+    def figures(self, ds: xr.Dataset, cfg, out_dir: Path, workers=None) -> list[Path]:
         if not getattr(cfg, SECTION).eval.plots:
             return []
         out_dir = Path(out_dir)

@@ -7,10 +7,13 @@ module stays cheap.
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
+
+from ..figure_workers import FigureWorkers
 
 CMAPS = {"resid": "Purples", "mlp": "Greens", "attn": "Reds"}
 KIND_NAMES = {"resid": "state", "mlp": "MLP", "attn": "Attn"}
@@ -126,9 +129,6 @@ FIGURE_VARS = ("restored_prob", "num_tokens", "token_text", "subject_start", "su
                "indirect_effect", "avg_indirect_effect")
 
 
-PER_WORKER_AT_LEAST = 8
-
-
 def _render(job: tuple) -> Path:
     """One figure (in a worker process): ("trace", one fact's dataset, kind, path) or ("average", dataset, path)."""
     if job[0] == "trace":
@@ -138,14 +138,14 @@ def _render(job: tuple) -> Path:
     return average_effect_plot(ds, path)
 
 
-def write_figures(ds: xr.Dataset, out_dir, workers: int | None = None) -> list[Path]:
-    """Per-fact trace heatmaps for every kind plus the averaged-effect figure, drawn in ``workers`` processes
-    (default: one per core, each with at least ``PER_WORKER_AT_LEAST`` figures)."""
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-    from multiprocessing import get_context
+def figure_count(num_facts: int, num_kinds: int) -> int:
+    """The figures of a trace of ``num_facts`` facts at most: a heatmap per fact and kind, and the average."""
+    return num_facts * num_kinds + 1
 
+
+def write_figures(ds: xr.Dataset, out_dir, workers: FigureWorkers | None = None) -> list[Path]:
+    """Per-fact trace heatmaps for every kind plus the averaged-effect figure, drawn by ``workers`` (default: as
+    many processes as ``figure_workers.worker_count`` gives, started here)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ds = ds[[v for v in FIGURE_VARS if v in ds]].load()  # one read of what the figures show
@@ -159,13 +159,7 @@ def write_figures(ds: xr.Dataset, out_dir, workers: int | None = None) -> list[P
         one = ds.isel(fact=[i])
         jobs += [("trace", one, kind, out_dir / heatmap_name(fact_id, kind)) for kind in kinds]
     jobs.append(("average", ds.drop_dims("fact", errors="ignore"), out_dir / AVERAGE_FIGURE))
-    # a spawned worker costs about as much as a few figures (its imports): worth it for many figures only
-    workers = workers or (min(os.cpu_count() or 1, len(jobs) // PER_WORKER_AT_LEAST))
-    if workers <= 1:
-        return [_render(job) for job in jobs]
-    # spawned, not forked: the parent may hold an engine's threads and device context
-    try:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            return list(pool.map(_render, jobs))
-    except BrokenProcessPool:  # a parent whose main module cannot be re-imported (a script read from stdin)
-        return [_render(job) for job in jobs]
+    if workers is not None:
+        return workers.map(_render, jobs)
+    with FigureWorkers.ahead(len(jobs)) or nullcontext() as started:
+        return started.map(_render, jobs) if started else [_render(job) for job in jobs]

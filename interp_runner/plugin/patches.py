@@ -16,11 +16,15 @@ import interp_runner_kernels as kernels
 
 from .records import PatchEntries
 
+MANY_ENTRIES = 32  # from here on a request's entries are sorted in numpy
+
 
 class PatchRows:
     def __init__(self, sites: tuple[int, ...], bank: torch.Tensor, device, max_rows: int, staging, fold):
         self.sites = sites
         self.index = {site: i for i, site in enumerate(sites)}
+        self._site_index = np.full(max(sites, default=0) + 1, -1, dtype=np.int64)  # site -> its index; -1: none
+        self._site_index[list(sites)] = np.arange(len(sites))
         self.max_rows = max_rows
         self.bank = bank
         num = max(len(sites), 1)
@@ -55,6 +59,8 @@ class PatchRows:
     # -- a request's entries ------------------------------------------------------------------------
     def entries(self, patch: dict, banks: list[int]) -> PatchEntries:
         """A request's ``patch`` payload, with the bank row of each entry's source."""
+        if len(banks) > MANY_ENTRIES:
+            return self._many_entries(patch, banks)
         # a few entries per request: plain lists (a step gathers them into one array each)
         sites = memoryview(patch["site"]).cast("i").tolist()
         positions = memoryview(patch["pos"]).cast("i").tolist()
@@ -70,6 +76,27 @@ class PatchRows:
         # the flat index into [patch site, row] is base + (the request's first row in a step - its first position)
         base = [lookup[site] * self.max_rows + position for site, position in zip(sites, positions)]
         return PatchEntries(positions, base, banks, a, b, positions[0], positions[-1])
+
+    def _many_entries(self, patch: dict, banks: list[int]) -> PatchEntries:
+        """``entries`` for a request of many (packed cells): the same, sorted and looked up in numpy."""
+        sites = np.frombuffer(patch["site"], dtype=np.int32)
+        positions = np.frombuffer(patch["pos"], dtype=np.int32)
+        order = np.lexsort((sites, positions))  # stable: equal (position, site) keep their order, the last wins
+        sites, positions = sites[order], positions[order]
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = (positions[1:] != positions[:-1]) | (sites[1:] != sites[:-1])
+        keep = order[last]
+        sites, positions = sites[last], positions[last]
+        known = (sites >= 0) & (sites < len(self._site_index))
+        index = np.where(known, self._site_index[np.where(known, sites, 0)], -1)
+        if (index < 0).any():  # a site the engine lacks, as ``entries`` raises it
+            raise KeyError(int(sites[index < 0][0]))
+        base = index * self.max_rows + positions
+        a = np.frombuffer(patch["a"], dtype=np.float32)[keep]
+        b = np.frombuffer(patch["b"], dtype=np.float32)[keep]
+        positions = positions.tolist()
+        return PatchEntries(positions, base.tolist(), np.asarray(banks, dtype=np.int64)[keep].tolist(), a.tolist(),
+                            b.tolist(), positions[0], positions[-1])
 
     # -- per step -----------------------------------------------------------------------------------
     def plan(self, plans, starts, computed, row_of: np.ndarray | None) -> None:
