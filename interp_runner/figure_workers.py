@@ -33,7 +33,6 @@ class FigureWorkers:
     importing ``DRAWING_MODULES`` as soon as it starts."""
 
     def __init__(self, count: int):
-        self.count = count
         self._pool = ProcessPoolExecutor(count, mp_context=get_context("spawn"))
         for _ in range(count):  # each submit while none is idle starts one more process
             self._pool.submit(_import, DRAWING_MODULES)
