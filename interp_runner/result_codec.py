@@ -35,20 +35,14 @@ class Unit(msgspec.Struct, forbid_unknown_fields=True):
     results: dict[str, RequestResult]
 
 
-def _dtype(x) -> np.dtype:
+def _encode_value(x):
+    if not isinstance(x, (np.ndarray, np.generic)):
+        raise TypeError(f"cannot journal a value of type {type(x).__name__}")
     if x.dtype.kind not in ARRAY_KINDS:
         raise TypeError(f"cannot journal an array of dtype {x.dtype}")
-    return x.dtype
-
-
-def _encode_value(x):
-    if isinstance(x, np.ndarray):
-        header = msgspec.msgpack.encode((_dtype(x).str, x.shape))
-        return msgspec.msgpack.Ext(ARRAY, bytes([len(header)]) + header + np.ascontiguousarray(x).tobytes())
-    if isinstance(x, np.generic):
-        header = msgspec.msgpack.encode((_dtype(x).str, ()))
-        return msgspec.msgpack.Ext(SCALAR, bytes([len(header)]) + header + x.tobytes())
-    raise TypeError(f"cannot journal a value of type {type(x).__name__}")
+    code, shape = (ARRAY, x.shape) if isinstance(x, np.ndarray) else (SCALAR, ())
+    header = msgspec.msgpack.encode((x.dtype.str, shape))
+    return msgspec.msgpack.Ext(code, bytes([len(header)]) + header + np.ascontiguousarray(x).tobytes())
 
 
 @lru_cache(maxsize=1024)
