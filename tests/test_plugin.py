@@ -55,7 +55,8 @@ def test_plugin_instruments_when_enabled():
 
 def test_an_eager_interp_engine_on_a_cpu_warms_up_on_a_few_tokens_and_any_other_as_vllm_does(monkeypatch):
     """vLLM's CPU warm-up runs the model over a whole step's tokens for a compile; an eager interp engine compiles
-    nothing and warms up on ``WARM_UP_TOKENS``; a compiled one, or an engine without interp ops, keeps vLLM's."""
+    nothing and warms up on ``WARM_UP_TOKENS``, without the sampler's compile; a compiled one, or an engine without
+    interp ops, keeps vLLM's."""
     from vllm.config import CompilationMode
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -73,11 +74,40 @@ def test_an_eager_interp_engine_on_a_cpu_warms_up_on_a_few_tokens_and_any_other_
                   _dummy_sampler_run=lambda last: calls.append(("sampler", last)))
 
     CPUModelRunner.warming_up_model(runner(object(), CompilationMode.NONE))
-    assert calls == [("dummy", runner_patches.WARM_UP_TOKENS), ("sampler", "last")]
+    assert calls == [("dummy", runner_patches.WARM_UP_TOKENS)]
     for state, mode in ((None, CompilationMode.NONE), (object(), CompilationMode.VLLM_COMPILE)):
         calls.clear()
         CPUModelRunner.warming_up_model(runner(state, mode))
         assert calls == [("vllm", None)]
+
+
+def test_only_an_eager_interp_engine_ranks_sampled_tokens_without_compiling(monkeypatch):
+    """vLLM compiles the rank of each sampled token on first use; a runner of an eager interp engine switches it to
+    an eager count when its state binds, a compiled one or a runner without interp ops leaves it compiled."""
+    import torch
+    from vllm.config import CompilationMode
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than as compiled
+
+    from interp_runner.plugin import runner_patches
+
+    monkeypatch.setattr(sampler, "batched_count_greater_than", compiled)
+    monkeypatch.setattr(runner_patches, "_score_logits", lambda model, state: None)
+    monkeypatch.setattr(runner_patches, "V1RunnerView", lambda runner: None)
+
+    def bind(state, mode):
+        module = NS(_interp_state=state)
+        model = NS(modules=lambda: [module])
+        runner_patches.state_of(NS(model=model, get_model=lambda: model, compilation_config=NS(mode=mode)))
+        return sampler.batched_count_greater_than
+
+    assert bind(None, CompilationMode.NONE) is compiled
+    assert bind(object(), CompilationMode.VLLM_COMPILE) is compiled
+    counted = bind(object(), CompilationMode.NONE)
+    assert counted is not compiled
+    x = torch.tensor([[0.5, -1.0, 2.0, 0.5], [3.0, 1.0, 1.0, -2.0]])
+    values = torch.tensor([[0.5], [1.0]])
+    assert counted(x, values).tolist() == [3, 3] == compiled.__wrapped__(x, values).tolist()
 
 
 def test_compile_cache_key_carries_plugin_fingerprint_and_sites():

@@ -6,7 +6,8 @@
   a step that captures outside the buffers or runs packed cells runs outside CUDA graphs, one that skips layers
   layer by layer (``skipping.run_layers``);
 - the model's ``compute_logits`` (outside the compiled graph): the step's scores;
-- the CPU runner's warm-up (``CPUModelRunner`` is a ``GPUModelRunner``): a few tokens for an eager interp engine.
+- the CPU runner's warm-up (``CPUModelRunner`` is a ``GPUModelRunner``): a few tokens for an eager interp engine;
+- the sampler's rank of a sampled token: counted without torch.compile once an eager interp engine binds.
 
 The runner is read through ``runner_view.V1RunnerView``. (Prefix-cache hashing is patched in vLLM's engine core,
 another process: ``prefix_cache``; decoder layers in ``layers``.)
@@ -34,8 +35,25 @@ def state_of(runner):
         if state is not None:
             _score_logits(runner.model, state)
             runner._interp_view = V1RunnerView(runner)
+            from vllm.config import CompilationMode
+
+            if runner.compilation_config.mode == CompilationMode.NONE:
+                _uncompiled_sampler_ranks()
         runner._interp_state = state
     return state
+
+
+def _uncompiled_sampler_ranks() -> None:
+    """vLLM ranks each sampled token among the vocabulary (for its logprob) with a function it compiles on first
+    use: seconds at every engine start, tens on a cold Inductor cache, for an engine that compiles nothing else.
+    An eager interp engine counts eagerly (the same integers); only interp engines of this process bind here."""
+    from vllm.v1.sample import sampler
+
+    sampler.batched_count_greater_than = _count_at_least
+
+
+def _count_at_least(x, values):
+    return (x >= values).sum(-1)
 
 
 def view_of(runner) -> V1RunnerView:
@@ -150,8 +168,9 @@ WARM_UP_TOKENS = 64
 
 def instrument_cpu_warm_up() -> None:
     """On a CPU, vLLM warms an engine up by running the model over a whole step's tokens (4,096 by default) for the
-    compile; an eager engine compiles nothing and is given its KV cache size, so an interp engine that runs eagerly
-    warms up on ``WARM_UP_TOKENS`` tokens instead (seconds less at every start)."""
+    compile, then its sampler (which compiles vLLM's random sampling: seconds warm, tens of seconds on a cold
+    Inductor cache). An eager engine compiles nothing and is given its KV cache size, so an interp engine that runs
+    eagerly warms up on ``WARM_UP_TOKENS`` tokens and leaves the sampler's compile to a plan that samples."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -167,7 +186,6 @@ def instrument_cpu_warm_up() -> None:
     def warming_up_model(self):
         if state_of(self) is None or self.compilation_config.mode != CompilationMode.NONE:
             return original(self)
-        _, last = self._dummy_run(min(self.max_num_tokens, WARM_UP_TOKENS), is_profile=True)
-        self._dummy_sampler_run(last)
+        self._dummy_run(min(self.max_num_tokens, WARM_UP_TOKENS), is_profile=True)
 
     CPUModelRunner.warming_up_model = warming_up_model
