@@ -9,7 +9,7 @@ import gc
 import shutil
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -195,6 +195,21 @@ def _figure_workers(kind: Kind, cfg: RunConfig, plan: Plan):
     return workers or nullcontext()
 
 
+@contextmanager
+def plan_heap():
+    """No garbage collection while the plan compiles (each pass would traverse its growing heap again), then the
+    heap frozen: the plan lives as long as the run, and no pass traverses it again (vLLM's start collects several
+    times, a second or more each over a large plan, before it freezes the heap itself, for good; so would exit)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+        gc.freeze()
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def default_store_path(run_dir: Path) -> Path:
     return run_dir / "results.zarr"
 
@@ -213,7 +228,8 @@ def run(
     is built for this run (with ``engine_factory``, default ``VllmEngine``)."""
     started_at = provenance.now()
     timings, t_plan = {}, time.perf_counter()
-    prepared = prepare(config, base=Path.cwd())
+    with plan_heap():
+        prepared = prepare(config, base=Path.cwd())
     timings["plan_s"] = round(time.perf_counter() - t_plan, 2)
     cfg, facts, plan, kind = prepared.cfg, prepared.facts, prepared.plan, prepared.kind
     spec = plan.engine_spec
@@ -226,9 +242,6 @@ def run(
         log(f"dry run: config valid, requests sha256 {plan.requests_sha256}")
         return None
 
-    # the plan lives as long as the run: no garbage collection traverses it again (vLLM's start collects several
-    # times, a second or more each over a large plan, before it freezes the heap itself, for good; so would exit)
-    gc.freeze()
     store_path = Path(cfg.store.path).expanduser() if cfg.store.path else default_store_path(run_dir)
     manifest = provenance.manifest(config, cfg, facts, plan, list(overrides), started_at)
     # checked and locked before any engine starts; written beside store_path, moved there once complete

@@ -7,11 +7,9 @@ entries (a noise sample, one restore), so a group is encoded once, as a ``Patch`
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -195,19 +193,6 @@ def make_request(
         "skip_reading_prefix_cache": True if reads_prompt else None,
     }
     return EngineRequest(rid, prompt, sampling, stage, role, meta or {}, condition)
-
-
-@contextmanager
-def no_gc_passes():
-    """No cyclic garbage collection while a plan's requests are made: they live as long as the plan, and each pass
-    over the growing heap would only traverse them again (a quarter of a large causal trace's compile)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def mark_private_kv(requests: Sequence[EngineRequest]) -> None:

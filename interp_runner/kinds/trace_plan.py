@@ -26,7 +26,7 @@ from ..payload import kv_key, ref_key, vector_key
 from ..plan import Plan, bank_rows_for
 from ..prompt_set import answer_token, check_length, check_vocabulary, require_plain_prompts
 from ..request_build import (
-    EngineRequest, Patch, Prompt, engine_spec_of, make_request, mark_private_kv, no_gc_passes, requests_hash,
+    EngineRequest, Patch, Prompt, engine_spec_of, make_request, mark_private_kv, requests_hash,
 )
 from ..selectors import parse_layers
 from ..sites import site_id, site_of
@@ -152,7 +152,6 @@ def noise_scale(facts: list[TraceFact], embeddings, k: float) -> float:
     return std
 
 
-@no_gc_passes()
 def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None, embeddings,
                   kind_name: str) -> Plan:
     """The plan of ``cfg.causal_trace``, a plan of the kind ``kind_name``; ``embeddings(ids)`` gives token embedding
