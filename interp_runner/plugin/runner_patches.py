@@ -168,9 +168,9 @@ WARM_UP_TOKENS = 64
 
 def instrument_cpu_warm_up() -> None:
     """On a CPU, vLLM warms an engine up by running the model over a whole step's tokens (4,096 by default) for the
-    compile, then its sampler (which compiles vLLM's random sampling: seconds warm, tens of seconds on a cold
-    Inductor cache). An eager engine compiles nothing and is given its KV cache size, so an interp engine that runs
-    eagerly warms up on ``WARM_UP_TOKENS`` tokens and leaves the sampler's compile to a plan that samples."""
+    compile, then its sampler (whose random sampling and token ranks it compiles: seconds warm, tens of seconds on
+    a cold Inductor cache). An eager engine compiles nothing and is given its KV cache size, so an interp engine that
+    runs eagerly warms up on ``WARM_UP_TOKENS`` tokens and leaves the sampler's compile to a plan that samples."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
