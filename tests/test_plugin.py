@@ -110,6 +110,44 @@ def test_only_an_eager_interp_engine_ranks_sampled_tokens_without_compiling(monk
     assert counted(x, values).tolist() == [3, 3] == compiled.__wrapped__(x, values).tolist()
 
 
+def test_a_step_of_packed_requests_only_runs_the_lm_head_over_its_cells_alone():
+    """vLLM's own logits of packed requests are never read (a cell's token is its score's top): a step of packed
+    requests only gives vLLM zeros for them; a step that also holds any other request gets its logits as before."""
+    import torch
+
+    from interp_runner.plugin import runner_patches
+
+    weight = torch.arange(20.0).reshape(4, 5)
+    rows: list[int] = []
+
+    def lm_head(hidden):
+        rows.append(hidden.shape[0])
+        return hidden @ weight
+
+    recorded: list = []
+    readback = NS(cell_hidden=None, only_packed=False, score_rows=[],
+                  record_scores=lambda logits: recorded.append(("scores", logits)),
+                  record_cell_scores=lambda logits: recorded.append(("cells", logits)))
+    model = NS(compute_logits=lm_head)
+    runner_patches._score_logits(model, NS(readback=readback))
+    hidden, cells = torch.ones(3, 4), torch.full((7, 4), 2.0)
+
+    readback.cell_hidden, readback.only_packed = cells, True
+    logits = model.compute_logits(hidden)
+    assert rows == [7] and logits.shape == (3, 5) and not logits.any()
+    assert [name for name, _ in recorded] == ["cells"] and torch.equal(recorded[0][1], cells @ weight)
+
+    rows.clear(), recorded.clear()
+    readback.cell_hidden, readback.only_packed = cells, False
+    assert torch.equal(model.compute_logits(hidden), hidden @ weight)
+    assert sorted(rows) == [3, 7] and [name for name, _ in recorded] == ["cells"]
+
+    rows.clear(), recorded.clear()
+    readback.only_packed, readback.score_rows = False, [0]  # no packed cells: the step as vLLM runs it, scored
+    assert torch.equal(model.compute_logits(hidden), hidden @ weight)
+    assert rows == [3] and [name for name, _ in recorded] == ["scores"]
+
+
 def test_compile_cache_key_carries_plugin_fingerprint_and_sites():
     from vllm.config import VllmConfig
 

@@ -58,6 +58,7 @@ class Readback:
         self.is_result_rank = is_result_rank
         self.score_rows: list[int] = []  # batch rows whose logits this step scores (requests of ``_plans``)
         self.cells: CellScores | None = None  # packed cells this step scores
+        self.only_packed = False  # the step holds packed requests only: vLLM's own logits of them are never read
         self.cell_hidden: torch.Tensor | None = None  # their rows of the step's hidden states, once computed
         self.results: dict[str, dict[int, list[tuple[np.ndarray, np.ndarray]]]] = defaultdict(
             lambda: defaultdict(list)

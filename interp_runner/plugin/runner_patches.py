@@ -68,18 +68,26 @@ def plans_steps(runner) -> bool:
 
 def _score_logits(model, state) -> None:
     """Wrap the model's compute_logits (outside the compiled graph) so scoring steps read their logits; packed
-    cells' logits are computed here too, from their rows of the step's hidden states."""
+    cells' logits are computed here too, from their rows of the step's hidden states. A step of packed requests
+    only gives vLLM zeros for its requests' logits: the tokens it samples from them are never read (a cell's token
+    is its score's top), so the LM head runs over the cells' rows alone."""
     original = model.compute_logits
     readback = state.readback
 
     def compute_logits(hidden_states, *args, **kwargs):
-        logits = original(hidden_states, *args, **kwargs)
+        cells = None
+        packed_step = readback.cell_hidden is not None
+        if packed_step:
+            cells, readback.cell_hidden = original(readback.cell_hidden), None
+        if packed_step and readback.only_packed and not readback.score_rows:
+            # the same on every rank: where vLLM gathers logits to one rank, the others get None from both calls
+            logits = None if cells is None else cells.new_zeros(hidden_states.shape[0], cells.shape[1])
+        else:
+            logits = original(hidden_states, *args, **kwargs)
         if readback.score_rows and logits is not None:
             readback.record_scores(logits)
-        if readback.cell_hidden is not None:
-            cells, readback.cell_hidden = original(readback.cell_hidden), None
-            if cells is not None:
-                readback.record_cell_scores(cells)
+        if cells is not None:
+            readback.record_cell_scores(cells)
         return logits
 
     model.compute_logits = compute_logits

@@ -248,15 +248,17 @@ class InterpState:
         scores. Nothing changes in a step without packed cells."""
         packing = self.packing
         packing.sequences, packing.row_of = None, None
-        self.readback.cells = None
+        self.readback.cells, self.readback.only_packed = None, False
         batch = view.batch()
         requests, packed = self.requests, self._packed
         if not any(rid not in requests or rid in packed for rid in batch.req_ids):
             return  # the usual step (a decode step, say): every request admitted, none packed
         plans = self._plans(view, batch)
-        if not any(p is not None and p.cells is not None for p in plans):
+        packed = [p is not None and p.cells is not None for p in plans]
+        if not any(packed):
             return
         self.readback.cells = packing.plan(plans, batch, view)
+        self.readback.only_packed = all(packed)
 
     def before_forward(self, view: RunnerView, num_rows: int) -> bool:
         """Fill this step's buffers; returns whether this step captures outside the buffers (it must run outside
