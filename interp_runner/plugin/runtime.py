@@ -254,11 +254,11 @@ class InterpState:
         if not any(rid not in requests or rid in packed for rid in batch.req_ids):
             return  # the usual step (a decode step, say): every request admitted, none packed
         plans = self._plans(view, batch)
-        packed = [p is not None and p.cells is not None for p in plans]
-        if not any(packed):
+        is_packed = [p is not None and p.cells is not None for p in plans]
+        if not any(is_packed):
             return
         self.readback.cells = packing.plan(plans, batch, view)
-        self.readback.only_packed = all(packed)
+        self.readback.only_packed = all(is_packed)
 
     def before_forward(self, view: RunnerView, num_rows: int) -> bool:
         """Fill this step's buffers; returns whether this step captures outside the buffers (it must run outside
