@@ -41,8 +41,10 @@ main() {
   # as a user's install does, Python keeps byte-compiled modules (the GPU image turns that off: each process would
   # compile every module it imports again, ~19 s of an `interp-run`)
   unset PYTHONDONTWRITEBYTECODE
-  # the live tree first; the installed copy supplies the entry point and interp_runner_kernels
-  export PYTHONPATH=$REPO:$SITE_IR${PYTHONPATH:+:$PYTHONPATH}
+  # the installed copy of the live tree (made by `setup`) supplies the package, its entry point and
+  # interp_runner_kernels; `python -m` from the root runs the live tree itself. The root stays off PYTHONPATH, as it is
+  # off an installed `interp-run`'s path: its kernels/ would shadow the `kernels` package transformers probes for
+  export PYTHONPATH=$SITE_IR${PYTHONPATH:+:$PYTHONPATH}
   left() { echo $(( BUDGET - (SECONDS - t_start) )); }
   declare -A RC SECS
   local failed=0

@@ -28,7 +28,7 @@ which_code() {
   tree=$(tree_of "$1"); site=$(site_of "$1")
   (
     [ -f /tmp/gpu-env.sh ] && . /tmp/gpu-env.sh
-    export PYTHONPATH=$tree:$site${PYTHONPATH:+:$PYTHONPATH}  # as gpu_check.sh sets it
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}  # as gpu_check.sh sets it (run from the tree: its code first)
     cd "$tree" && python3 - "$1" <<'EOF'
 import sys
 from importlib.metadata import entry_points

@@ -1,6 +1,6 @@
 """``python -m interp_runner ...`` is ``interp-run ...``."""
 
-from .cli import main
+from .cli import main_as_module
 
 if __name__ == "__main__":
-    main()
+    main_as_module()

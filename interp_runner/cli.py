@@ -105,5 +105,14 @@ def main() -> None:
         raise
 
 
-if __name__ == "__main__":
+def main_as_module() -> None:
+    """``python -m``: ``main`` with the import path ``interp-run`` has. ``-m`` puts the working directory first on it,
+    where a folder could shadow an installed package of its name (the repository's ``kernels/`` shadows the
+    ``kernels`` package that transformers probes for, at the cost of a scan of every installed distribution)."""
+    if not sys.flags.safe_path and sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
     main()
+
+
+if __name__ == "__main__":
+    main_as_module()

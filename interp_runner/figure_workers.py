@@ -12,6 +12,7 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 
 PER_WORKER_AT_LEAST = 8  # a worker's start costs about as much as a few figures
+PER_WORKER_AHEAD = 4  # workers started ahead start while the engine runs: more of them, fewer figures each
 DRAWING_MODULES = ("matplotlib.pyplot", "interp_runner.kinds.trace_figures")
 
 
@@ -23,9 +24,9 @@ def _import(modules: tuple[str, ...]) -> None:
         importlib.import_module(name)
 
 
-def worker_count(figures: int) -> int:
-    """One process per core, each with at least ``PER_WORKER_AT_LEAST`` figures; 0 or 1: draw in this process."""
-    return min(os.cpu_count() or 1, figures // PER_WORKER_AT_LEAST)
+def worker_count(figures: int, per_worker: int = PER_WORKER_AT_LEAST) -> int:
+    """One process per core, each with at least ``per_worker`` figures; 0 or 1: draw in this process."""
+    return min(os.cpu_count() or 1, figures // per_worker)
 
 
 class FigureWorkers:
@@ -40,7 +41,7 @@ class FigureWorkers:
     @classmethod
     def ahead(cls, figures: int) -> FigureWorkers | None:
         """Workers for about ``figures`` figures, or None where they are drawn in this process."""
-        count = worker_count(figures)
+        count = worker_count(figures, PER_WORKER_AHEAD)
         return cls(count) if count > 1 else None
 
     def map(self, draw: Callable, jobs: Iterable) -> list:

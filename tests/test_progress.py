@@ -63,6 +63,23 @@ def test_python_dash_m_is_interp_run():
         assert "dry run: config valid, requests sha256" in proc.stdout, module
 
 
+def test_python_dash_m_leaves_the_working_directory_off_the_import_path(tmp_path):
+    # a folder named as a package that transformers probes for, in the working directory (the repository's kernels/)
+    marker = tmp_path / "imported"
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    python = str(REPO / ".venv" / "bin" / "python")
+    subprocess.run([python, "-c", "import kernels"], cwd=tmp_path, check=True)
+    assert marker.exists()  # found there by a plain `python -c`
+    marker.unlink()
+    proc = subprocess.run([python, "-m", "interp_runner", *TRACE,
+                           "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dry run: config valid" in proc.stdout
+    assert not marker.exists()  # the tokenizer's transformers import did not find it
+
+
 @pytest.mark.engine
 def test_a_run_logs_progress_and_records_its_phases(tmp_path):
     store = tmp_path / "trace.zarr"
