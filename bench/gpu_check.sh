@@ -95,6 +95,7 @@ main() {
 stage_setup() {
   {
     nvidia-smi || true
+    echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores"  # hosts differ in speed
     $PY -c "import sys, torch, triton, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA'); print('triton', triton.__version__, 'transformers', transformers.__version__)"
     $PY -c "import vllm; print('vllm', vllm.__version__)"
     $PY -c "import os, sys, torch, vllm; print('bytecode written:', not sys.dont_write_bytecode, '| writable:', *(os.path.dirname(os.path.dirname(m.__file__)) for m in (torch, vllm) if os.access(os.path.dirname(m.__file__), os.W_OK)))"
