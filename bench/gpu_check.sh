@@ -22,6 +22,14 @@
 # options), BENCH_SUFFIX (appended to the bench result files' names), STORE_DIR, STORE_ARGS (more
 # bench/store_bandwidth.py options), TEST_FILES.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
+#
+# Two GPUs (nvidia-h100-x2):  bash bench/gpu_check.sh setup tp bench-tp sweep tp-cpu-tests
+# tp (tests/test_gpu_tensor_parallel.py: TP = 2 against TP = 1, compiled, float32 and teacher-forced bfloat16),
+# bench-tp (bench/steer_overhead.py on the 8B shape, interp engine at TP = 1 then TP = 2; TP_BENCH_ARGS),
+# sweep (bench/sweep_wall.sh: one `-m` sweep through the joblib launcher, one engine per GPU, against the same
+# sweep on one GPU; SWEEP_ARGS), tp-cpu-tests (tests/test_tensor_parallel.py, eager float32, on the GPUs).
+# Launcher wheels carried in .whl/ (hydra-joblib-launcher, ...) are installed first. NVLink multicast stays off
+# (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1) in every stage.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
@@ -38,6 +46,11 @@ main() {
   [ -f /tmp/gpu-env.sh ] && . /tmp/gpu-env.sh
   export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # inherited by every process
+  if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (the Hydra launchers)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-wheels \
+      "$REPO"/.whl/*.whl && export PYTHONPATH=/tmp/site-wheels${PYTHONPATH:+:$PYTHONPATH}
+  fi
   # as a user's install does, Python keeps byte-compiled modules (the GPU image turns that off: each process would
   # compile every module it imports again, ~19 s of an `interp-run`)
   unset PYTHONDONTWRITEBYTECODE
@@ -64,6 +77,11 @@ main() {
         stage_bench "$budget" llama8b-random "${BENCH_8B_ENGINES:-${BENCH_ENGINES:-interp,stock}}" "${BENCH_SUFFIX:-}" \
         || rc=$? ;;
       bench-v2) stage_bench "$budget" smollm2_135m stock-default _v2 || rc=$? ;;
+      tp) TEST_FILES=tests/test_gpu_tensor_parallel.py stage_tests "$budget" || rc=$? ;;
+      tp-cpu-tests) TEST_FILES=tests/test_tensor_parallel.py TEST_MARK=engine TEST_LOG=pytest_tp_cpu \
+        stage_tests "$budget" || rc=$? ;;
+      bench-tp) stage_bench_tp "$budget" || rc=$? ;;
+      sweep) timeout -k 10 $(( budget - 5 )) bash bench/sweep_wall.sh "$OUT/sweep_wall.json" ${SWEEP_ARGS:-} || rc=$? ;;
       kernels) timeout -k 10 $(( budget - 5 )) $PY bench/kernels.py --json "$OUT/kernels.json" || rc=$? ;;
       bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --repeats "${TRACE_REPEATS:-5}" \
         ${TRACE_ARGS:-} --json "$OUT/${TRACE_JSON:-trace_grid}.json" || rc=$? ;;
@@ -85,9 +103,14 @@ main() {
     for stage in "${STAGES[@]}"; do
       printf '%-20s rc=%-16s %ss\n' "$stage" "${RC[$stage]:-?}" "${SECS[$stage]:--}"
     done
-    [ -f "$OUT/pytest.log" ] && echo "tests: $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)|no tests ran' "$OUT/pytest.log" | tail -1)"
-    [ -f "$OUT/pytest.log" ] && grep -E '^(FAILED|ERROR) ' "$OUT/pytest.log" | head -20
+    for log in "$OUT"/pytest*.log; do
+      [ -f "$log" ] || continue
+      echo "tests ($(basename "$log")): $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)|no tests ran' "$log" | tail -1)"
+      grep -E '^(FAILED|ERROR) ' "$log" | head -20
+    done
+    [ -f "$OUT/gpu_test_report.txt" ] && cat "$OUT/gpu_test_report.txt"
     ls "$OUT"/bench_*.json >/dev/null 2>&1 && $PY bench/steer_overhead.py --report "$OUT"/bench_*.json
+    [ -f "$OUT/sweep_wall.json" ] && cat "$OUT/sweep_wall.json"
   } | tee "$OUT/summary.txt"
   return "$failed"
 }
@@ -128,13 +151,25 @@ EOF
 }
 
 stage_tests() {
-  local budget=$1
-  rm -f "$OUT/gpu_test_report.txt"
+  local budget=$1 log=$OUT/${TEST_LOG:-pytest}.log
+  [ "${TEST_LOG:-pytest}" = pytest ] && rm -f "$OUT/gpu_test_report.txt"
   INTERP_GPU_REPORT="$OUT/gpu_test_report.txt" timeout -k 10 $(( budget - 5 )) \
-    $PY -m pytest -q -m gpu -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_kernels.py tests/test_gpu.py} 2>&1 \
-    | tee "$OUT/pytest.log"
+    $PY -m pytest -q -m "${TEST_MARK:-gpu}" -p no:cacheprovider --durations=8 \
+    ${TEST_FILES:-tests/test_kernels.py tests/test_gpu.py} 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   [ -f "$OUT/gpu_test_report.txt" ] && cat "$OUT/gpu_test_report.txt"
+  return "$rc"
+}
+
+stage_bench_tp() {  # the interp engine's overheads at TP = 1, then TP = 2, same workload and machine
+  local budget=$1 tp rc=0 t0=$SECONDS
+  for tp in 1 2; do
+    local left=$(( budget - (SECONDS - t0) ))
+    [ "$left" -lt 60 ] && { echo "bench-tp: no budget left for TP = $tp"; return 1; }
+    timeout -k 10 $(( left - 5 )) $PY bench/steer_overhead.py --model llama8b-random --engines interp --tp "$tp" \
+      --conditions "${BENCH_CONDITIONS:-idle,steered,capture}" --repeats "${BENCH_REPEATS:-7}" \
+      --worker-timeout $(( left - 20 )) ${TP_BENCH_ARGS:-} --json "$OUT/bench_llama8b_tp$tp.json" || rc=$?
+  done
   return "$rc"
 }
 

@@ -149,7 +149,8 @@ def plans(args, folder: Path) -> dict:
     prompts = [f"Request {i}. Write a long and detailed story about {TOPICS[i % len(TOPICS)]}, "
                f"chapter {i // len(TOPICS) + 1}:" for i in range(args.batch)]
     base = {
-        "model": {"name": "bench", "path": str(folder)},
+        # a dummy-weights folder has no weight files: compiled as seeded weights (the engine draws vLLM's dummy ones)
+        "model": {"name": "bench", "path": str(folder), **({"weights": "seeded"} if args.dummy else {})},
         "engine": {"dtype": args.dtype, "enforce_eager": args.eager, "max_model_len": args.max_model_len},
         "prompts": {"items": prompts},
         "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
@@ -186,7 +187,8 @@ def engine_spec(plans_by_condition: dict, conditions: list[str], steer_sites: li
 
 def engine_settings(args) -> dict:
     return dict(dtype=args.dtype, enforce_eager=args.eager, max_model_len=args.max_model_len,
-                max_num_seqs=args.batch, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)))
+                max_num_seqs=args.batch, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+                tensor_parallel_size=args.tp)
 
 
 def use_dummy_loader() -> None:
@@ -223,7 +225,8 @@ def build(kind: str, args, folder: Path, dummy: bool, spec):
     s = engine_settings(args)
     llm = vllm.LLM(model=str(folder), dtype=s["dtype"], enforce_eager=s["enforce_eager"],
                    max_model_len=s["max_model_len"], max_num_seqs=s["max_num_seqs"],
-                   kv_cache_memory_bytes=s["kv_cache_memory_bytes"], enable_prefix_caching=True, seed=0)
+                   kv_cache_memory_bytes=s["kv_cache_memory_bytes"], enable_prefix_caching=True, seed=0,
+                   tensor_parallel_size=s["tensor_parallel_size"])
     return llm, None
 
 
@@ -342,7 +345,7 @@ def worker(args) -> dict:
     from interp_runner.sites import site_id
 
     folder, dummy = Path(args.model_dir), args.dummy
-    facts = ModelFacts.from_folder(folder)
+    facts = ModelFacts.from_folder(folder, 0 if dummy else None)
     steer_sites = [site_id(layer, args.hook) for layer in range(facts.num_layers)]
     chosen = parse_conditions(args.conditions)
     compiled = plans(args, folder)
@@ -445,7 +448,7 @@ def run_worker(kind: str, args, folder: Path, dummy: bool, scratch: Path) -> dic
     if dummy:
         cmd.append("--dummy")
     for key in ("model", "batch", "max_tokens", "vectors", "hook", "norm", "repeats", "warmup", "dtype",
-                "max_model_len", "kv_cache_gib", "conditions"):
+                "max_model_len", "kv_cache_gib", "conditions", "tp"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.eager:
         cmd.append("--eager")
@@ -525,7 +528,7 @@ def table(results: list[dict]) -> str:
     rows = [("model", "engine", "condition", "median s", "min s", "tok/s", "vs idle", "paired", "95% interval",
              "cpu paired", "vs stock", "goal", "met?", "runs", "check")]
     for res in results:
-        model, workers = res["model"], res["workers"]
+        model, workers = res["model"] + (f" tp{res['tp']}" if res.get("tp", 1) > 1 else ""), res["workers"]
         stock = next((w["median_s"].get("stock") for w in workers if w.get("kind") == "stock" and "median_s" in w),
                      None)
         idle = next((w["median_s"].get("idle") for w in workers if w.get("kind") == "interp" and "median_s" in w),
@@ -569,7 +572,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: torch.compile + CUDA graphs)")
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--kv-cache-gib", type=float, default=4.0)
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache per rank")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) of each engine")
     ap.add_argument("--weights", choices=["dummy", "hf"], default="dummy",
                     help="llama8b-random: vLLM's dummy loader, or random bf16 safetensors from transformers")
     ap.add_argument("--llama-shape", default="", help="hidden,layers,heads,kv_heads,intermediate,vocab")
@@ -604,7 +608,7 @@ def main(argv=None) -> int:
         "model": args.model, "folder": str(folder), "prepare_s": prepare_s,
         "batch": args.batch, "max_tokens": args.max_tokens, "vectors": args.vectors, "hook": args.hook,
         "norm": args.norm, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
-        "eager": args.eager, "conditions": args.conditions, "cpus": args.cpus or "any",
+        "eager": args.eager, "conditions": args.conditions, "cpus": args.cpus or "any", "tp": args.tp,
         "weights": args.weights if args.model in ("llama8b-random", "random-llama") else "file",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "workers": [],

@@ -3,7 +3,8 @@ Hydra's own errors, the only module that imports Hydra. Every bad config exits 2
 (an unknown experiment, key or option, an override that does not parse) included.
 
 Multirun (``-m``) jobs that Hydra runs in this process share one engine pool: the engine is rebuilt only when the
-model or engine settings change. Each job's store is listed in the sweep folder's index (``interp_runner.sweep``).
+model or engine settings change. Jobs that a launcher runs in processes of their own each take their own GPUs
+(``job_gpus``). Each job's store is listed in the sweep folder's index (``interp_runner.sweep``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ def _main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task)  # as typed: "${...}" in one stays unresolved
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if multirun and not hydra_cfg.launcher._target_.endswith(".BasicLauncher"):
+        # jobs in processes of their own: each takes its own GPUs before CUDA starts (``job_gpus``)
+        from .job_gpus import bind_job
+
+        tp = OmegaConf.select(cfg, "engine.tensor_parallel_size", default=1, throw_on_resolution_failure=False)
+        gpus = bind_job(hydra_cfg.job.num, tp if isinstance(tp, int) and tp > 1 else 1)  # a bad tp: the config check's
+        if gpus is not None:
+            print(f"job {hydra_cfg.job.num}: GPUs {','.join(gpus)}", file=sys.stderr, flush=True)
     store, status = None, "failed"
     try:
         config = resolved(cfg)
@@ -103,6 +112,9 @@ def main() -> None:
             del os.environ["HYDRA_FULL_ERROR"]
             run_and_report(lambda: _reraise(err))
         raise
+    finally:  # the engine's processes end (and free their GPUs) before this one does
+        if _engines is not None:
+            _engines.close()
 
 
 def main_as_module() -> None:

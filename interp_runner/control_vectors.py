@@ -164,14 +164,17 @@ def tensor_name(method: str, hook: str, layer: int) -> str:
 
 
 def _vectors(ds) -> dict[tuple[str, str, int], np.ndarray]:
-    """(method, hook, layer) -> vector, for the finite ones (a method that found no direction stores none)."""
+    """(method, hook, layer) -> vector, for the finite ones not marked ``degenerate`` (where a method found no
+    direction the store holds NaN and marks it)."""
     vector = ds["vector"].transpose("method", "vector_hook", "vector_layer", "hidden")
     values = np.asarray(vector.values)
+    degenerate = (np.asarray(ds["degenerate"].transpose(*vector.dims[:3]).values, dtype=bool) if "degenerate" in ds
+                  else np.zeros(values.shape[:3], dtype=bool))
     out = {}
     for i, method in enumerate(vector["method"].values):
         for j, hook in enumerate(vector["vector_hook"].values):
             for k, layer in enumerate(vector["vector_layer"].values):
-                if np.isfinite(values[i, j, k]).all():
+                if np.isfinite(values[i, j, k]).all() and not degenerate[i, j, k]:
                     out[(str(method), str(hook), int(layer))] = values[i, j, k].astype(np.float32)
     return out
 
@@ -191,8 +194,9 @@ def gguf_directions(ds, method: str, hook: str = HOOK) -> dict[int, np.ndarray]:
 
 
 def export_vectors(ds, out_dir: Path, stem: str = "vectors", architecture: str | None = None) -> list[Path]:
-    """Write ``<stem>.safetensors`` (every finite vector, named by ``tensor_name``) and, where the dataset has
-    ``post_block`` vectors of layers >= 1, one llama.cpp control vector per method, ``<stem>.<method>.gguf``.
+    """Write ``<stem>.safetensors`` (every finite vector not marked ``degenerate``, named by ``tensor_name``) and,
+    where the dataset has ``post_block`` vectors of layers >= 1, one llama.cpp control vector per method,
+    ``<stem>.<method>.gguf``.
     ``architecture`` (HF name) defaults to the manifest's ``model.architecture``."""
     from safetensors.numpy import save_file
 

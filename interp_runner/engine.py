@@ -13,6 +13,7 @@ import numpy as np
 from .config import ConfigError
 from .config.schema import EngineConfig
 from .engine_startup import StartupPhases, describe
+from .models.seeded import LOAD_FORMAT as SEEDED_LOAD_FORMAT
 from .packing import PackedRequest, group_cells
 from .payload import EngineSpec, plugin_fingerprint, unpack_results
 from .plugin import ENABLE_ENV
@@ -33,6 +34,21 @@ class EngineError(RuntimeError):
     pass
 
 
+def _child_pids() -> set[int]:
+    """This process's vLLM processes (engine cores, workers: vLLM names them ``VLLM::...``); not, say, the
+    multiprocessing resource tracker, which lives as long as this process."""
+    import psutil
+
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.name().startswith("VLLM"):
+                pids.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
 @dataclass
 class RequestResult:
     rid: str
@@ -44,6 +60,9 @@ class RequestResult:
     captures: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # site -> (positions, values)
     score: dict | None = None  # token_ids, logprobs (exact, any rank), top_id, top_logprob
     void: str | None = None  # why its patches could not be applied: it must not count as patched
+    # computed through a non-finite value (the final norm's input, or the logits it was scored from): its numbers are
+    # artifacts, never results
+    nonfinite: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
@@ -83,13 +102,18 @@ def one_token_no_text(request: EngineRequest) -> bool:
 class VllmEngine:
     """One vLLM engine with interp ops at the sites of ``spec``. Reusable for any plan whose sites it has."""
 
-    def __init__(self, model_path: str, cfg: EngineConfig, spec: EngineSpec):
+    def __init__(self, model_path: str, cfg: EngineConfig, spec: EngineSpec, weights_seed: int | None = None):
+        """``weights_seed``: seeded weights (``interp_runner.models.seeded``) instead of the folder's files."""
         os.environ[ENABLE_ENV] = "1"
         # the planner drives GPUModelRunner; vLLM 0.26 would pick its V2 runner for dense models wherever
         # Triton is installed (every GPU machine)
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if cfg.tensor_parallel_size == 1:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        elif on_gpu():
+            # workers started fresh, never forked from a process whose CUDA state a run (its provenance, a previous
+            # engine) may have touched: a forked worker cannot initialise CUDA again
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         set_batch_invariant(cfg.batch_invariant)
         from vllm import LLM
 
@@ -106,6 +130,8 @@ class VllmEngine:
             additional_config=spec.as_additional_config(),
             logits_processors=[FORCED_TOKENS] if spec.force_tokens else None,
         )
+        if weights_seed is not None:
+            kwargs.update(load_format=SEEDED_LOAD_FORMAT, model_loader_extra_config={"seed": weights_seed})
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
         if cfg.max_num_batched_tokens is not None:
@@ -123,7 +149,10 @@ class VllmEngine:
         self.step_tokens: int | None = None
         self._serial = 0
         self.checksums: list[dict] = []
+        before = _child_pids()
         self.llm = LLM(**kwargs)
+        # the engine core and tensor-parallel workers this engine started: ``close`` waits for them to end
+        self.processes = _child_pids() - before
         # the worker runs in this process (results come back as they are, not packed)
         self.in_process = cfg.tensor_parallel_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self.status = self._check_plugin()
@@ -199,6 +228,7 @@ class VllmEngine:
                 captures=worker.get("captures", {}),
                 score=worker.get("score"),
                 void=worker.get("void"),
+                nonfinite=bool(worker.get("nonfinite", False)),
                 cached_tokens=int(output.num_cached_tokens or 0),
             )
         return results
@@ -303,7 +333,7 @@ class VllmEngine:
             return RequestResult(
                 rid=request.rid, prompt_index=request.prompt.index, token_ids=ids, text=text, logprobs=chosen,
                 captures=worker.get("captures", {}), score=worker.get("score"), void=worker.get("void"),
-                cached_tokens=cached_tokens,
+                nonfinite=bool(worker.get("nonfinite", False)), cached_tokens=cached_tokens,
             )
 
         results = {}
@@ -348,11 +378,34 @@ class VllmEngine:
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Shut the engine down and wait until the processes it started have ended, so that their GPU memory is free
+        for whatever starts next (vLLM checks the free memory when an engine starts). vLLM's own shutdown kills a
+        slow engine core after a few seconds and returns while its workers are still tearing down."""
         import gc
 
+        import psutil
+
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        # only an engine core of its own process: shutting down one in this process would tear down vLLM's
+        # process-wide parallel groups, which other engines alive in this process still use
+        if self.processes and core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
         del self.llm
         gc.collect()
+        procs = []
+        for pid in self.processes:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        if alive:
+            raise EngineError(f"engine processes {[p.pid for p in alive]} still run {timeout:.0f} s after shutdown")
+        if on_gpu():
+            import torch
+
+            torch.cuda.empty_cache()  # an engine in this process: its cached blocks back to the driver
 
 
 class EnginePool:
@@ -369,8 +422,8 @@ class EnginePool:
         self.builds = 0
         self.runs = 0
 
-    def get(self, model_path: str, cfg: EngineConfig, spec: EngineSpec):
-        key = (str(model_path), cfg)
+    def get(self, model_path: str, cfg: EngineConfig, spec: EngineSpec, weights_seed: int | None = None):
+        key = (str(model_path), cfg, weights_seed)
         self.runs += 1
         if self.engine is not None and self.key == key:
             if self.engine.supports(spec):
@@ -380,7 +433,8 @@ class EnginePool:
             spec = self.engine.spec.union(spec)
         self.close()
         with StartupPhases(announce=self.log) as phases:
-            self.engine = self.factory(model_path, cfg, spec)
+            seeded = {} if weights_seed is None else {"weights_seed": weights_seed}
+            self.engine = self.factory(model_path, cfg, spec, **seeded)
         self.startup = phases.summary(compiled=not cfg.eager(on_gpu()))
         if self.log is not None:
             self.log(f"engine start: {describe(self.startup)}")

@@ -97,8 +97,8 @@ def unpack_array(packed) -> np.ndarray:
 
 
 def pack_results(results: dict) -> dict:
-    """A worker's per-request results (``captures``: site -> (positions, values); ``score``; ``void``) with
-    every array packed."""
+    """A worker's per-request results (``captures``: site -> (positions, values); ``score``; ``void``;
+    ``nonfinite``) with every array packed."""
     out = {}
     for rid, result in results.items():
         score = result.get("score")
@@ -107,6 +107,7 @@ def pack_results(results: dict) -> dict:
             "score": None if score is None else {k: pack_array(v) if isinstance(v, np.ndarray) else v
                                                  for k, v in score.items()},
             "void": result.get("void"),
+            "nonfinite": bool(result.get("nonfinite", False)),
         }
     return out
 
@@ -121,6 +122,7 @@ def unpack_results(results: dict) -> dict:
             "score": None if score is None else {k: unpack_array(v) if isinstance(v, (list, tuple)) else v
                                                  for k, v in score.items()},
             "void": result.get("void"),
+            "nonfinite": bool(result.get("nonfinite", False)),
         }
     return out
 

@@ -24,12 +24,14 @@ from .engine_rules import check_engine, check_plan_values
 from .figure_workers import FigureWorkers
 from .kinds import kind_for
 from .kinds.base import Kind
+from .models import seeded
 from .models.facts import ModelFacts, UnsupportedModel, embedding_rows
 from .models.materialize import model_path
 from .plan import Plan
 from .progress import StageProgress, on_terminal
 from .report import write_report
 from .request_build import EngineRequest
+from .result_flags import NONFINITE_ATTR, flagged_attrs, propagate
 from .run_config import RunConfig, validate_config
 from .store import STATUS_COMPLETE, mark, write_results
 from .store_claim import claim_store
@@ -63,10 +65,13 @@ def prepare(config: dict, base: Path | None = None) -> Prepared:
             raise ConfigError.at("model.name", str(err)) from None
     kind = kind_for(cfg)
     try:
-        facts = ModelFacts.from_folder(folder)
+        weights_seed = cfg.model.weights_seed()
+        facts = ModelFacts.from_folder(folder, weights_seed)
         check_engine(cfg, facts)
         tokenizer = load_tokenizer(folder, cfg.prompts.chat_template)
-        plan = kind.compile(cfg, facts, tokenizer, base, lambda ids: embedding_rows(folder, ids))
+        rows = (lambda ids: embedding_rows(folder, ids)) if weights_seed is None else (
+            lambda ids: seeded.embedding_rows(folder, weights_seed, ids))
+        plan = kind.compile(cfg, facts, tokenizer, base, rows)
     except (UnsupportedModel, TokenizerError) as err:
         raise ConfigError.at(getattr(err, "key", None) or ("model.path" if cfg.model.path else "model.name"),
                              str(err)) from None
@@ -173,6 +178,10 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
                 vectors = {**(vectors or {}), **derived}  # with the plan's own, if stage 0 ran none
     finally:
         engine.release_sources(list(plan.refs))
+    added = propagate(plan, results)
+    if added:
+        log(f"warning: {added} requests read values or KV of requests computed through a non-finite value: "
+            "flagged too")
     return results
 
 
@@ -248,13 +257,14 @@ def run(
     claim = claim_store(store_path, resume=cfg.resume, overwrite=cfg.store.overwrite, log=log)
     journal = claim.begin(manifest)
     staged = claim.staged
+    own_pool = engines is None  # an engine built for this run alone is shut down before it returns
     try:
-        if engines is None:
+        if own_pool:
             engines = EnginePool(engine_factory)
         engines.log = log
         builds, t0 = engines.builds, time.perf_counter()
         decodes = any(r.sampling.get("max_tokens", 1) > 1 for r in plan.requests)
-        engine = engines.get(facts.path, cfg.engine.resolved(on_gpu(), decodes), spec)
+        engine = engines.get(facts.path, cfg.engine.resolved(on_gpu(), decodes), spec, cfg.model.weights_seed())
         reused = engines.builds == builds
         timings["engine_s"] = round(time.perf_counter() - t0, 2)
         log(f"engine {'reused' if reused else 'started'} on {facts.path} in {timings['engine_s']:.1f} s "
@@ -265,7 +275,9 @@ def run(
             timings["run_s"] = round(time.perf_counter() - t0, 2)
             log(f"ran in {timings['run_s']:.1f} s")
             t0 = time.perf_counter()
-            write_results(staged, kind.dataset(plan, results, facts.hidden_size, prepared.tokenizer))
+            ds = kind.dataset(plan, results, facts.hidden_size, prepared.tokenizer)
+            ds.attrs[NONFINITE_ATTR] = flagged_attrs(plan, results)
+            write_results(staged, ds)
             timings["store_s"] = round(time.perf_counter() - t0, 2)
             written = xr.open_zarr(str(staged), consolidated=False)  # figures and exports show what the store holds
             t0 = time.perf_counter()
@@ -294,5 +306,7 @@ def run(
         raise
     finally:
         claim.release()
+        if own_pool and engines is not None:
+            engines.close()
     log(f"store: {store_path}")
     return store_path

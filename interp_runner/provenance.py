@@ -1,7 +1,8 @@
 """The run manifest stored in the store's root attributes.
 
 Keys: ``config_yaml`` and ``config_sha256`` (the resolved config), ``run_key`` (its hash without the run-control
-keys ``resume``, ``dry_run`` and ``store.overwrite``: what a resumed run must match), ``command`` and ``overrides``,
+keys ``resume``, ``dry_run``, ``store.overwrite`` and ``store.path``: what a resumed run must match, wherever the
+unfinished run was moved), ``command`` and ``overrides``,
 ``experiment`` (name, version), ``kind`` (the experiment kind that compiled the plan, ``interp_runner.kinds``),
 ``experiments_dir`` (the package's ``experiments/`` folder, which ``${experiments_dir:}`` in a config resolves to: a
 rerun elsewhere maps it to its own), ``package`` (version, git sha and dirty flag of the package's own checkout),
@@ -92,10 +93,11 @@ def manifest(
     config: dict, cfg: RunBase, facts: ModelFacts, plan: Plan, overrides: list[str], started_at: str
 ) -> dict:
     text = config_yaml(config)
-    # the run-control keys say how to run, not what: a resumed or overwriting run is the same run
+    # the run-control keys say how to run, not what: a resumed or overwriting run is the same run, and so is one
+    # whose store path moved (where a run is written is not part of what it computes)
     run_config = {k: v for k, v in config.items() if k not in ("resume", "dry_run")}
     if isinstance(run_config.get("store"), dict):
-        run_config["store"] = {k: v for k, v in run_config["store"].items() if k != "overwrite"}
+        run_config["store"] = {k: v for k, v in run_config["store"].items() if k not in ("overwrite", "path")}
     return {
         "run_key": hashlib.sha256(config_yaml(run_config).encode()).hexdigest(),
         "schema": "interp-runner/1",

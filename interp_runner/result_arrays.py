@@ -43,7 +43,7 @@ def capture_arrays(layout: CaptureLayout, pairs: list, hidden: int) -> dict:
         (len(results), len(layout.hooks), len(layout.layers), width, hidden), np.nan, dtype=np.float32
     )
     for r, (result, positions) in enumerate(zip(results, per_request_positions)):
-        if not len(positions):
+        if not len(positions) or result.nonfinite:  # computed through a non-finite value: NaN, not numbers
             continue
         for h, hook in enumerate(layout.hooks):
             for l, layer in enumerate(layout.layers):
@@ -68,12 +68,13 @@ def capture_arrays(layout: CaptureLayout, pairs: list, hidden: int) -> dict:
 
 
 def score_arrays(plan: Plan, pairs: list) -> tuple[dict, dict]:
-    """Scores, and for patched requests the recovered fraction and noise floor: (data vars, attributes)."""
+    """Scores, and for patched requests the recovered fraction and noise floor: (data vars, attributes). A request
+    computed through a non-finite value (``RequestResult.nonfinite``) has none: NaN, and so is what depends on it."""
     n = len(pairs)
     answer, foil = np.full(n, np.nan), np.full(n, np.nan)
     top = np.full(n, -1, dtype=np.int32)
     for i, (_, result) in enumerate(pairs):
-        if result is not None and result.score is not None:
+        if result is not None and result.score is not None and not result.nonfinite:
             lps = result.score["logprobs"]
             answer[i] = lps[0]
             foil[i] = lps[1] if len(lps) > 1 else np.nan

@@ -13,6 +13,7 @@ from .models.facts import ModelFacts
 from .payload import DECODE, PREFILL, pack_positions, vector_key
 from .plan import CaptureLayout
 from .request_build import Prompt
+from .result_flags import FLOAT32_MAX, overflow_reason, squares
 from .selectors import distinct_positions, parse_layers, parse_prompts
 from .sites import site_id
 from .vectors import load_vector
@@ -39,6 +40,9 @@ def compile_steering(cfg: RunBase, prompts: list[Prompt], facts: ModelFacts, nam
                 with np.errstate(over="ignore"):
                     if not np.isfinite(vec * np.float32(term.scale)).all():
                         raise ConfigError.at(path + ".scale", f"{term.scale} times the vector leaves float32's range")
+                total = squares(term.scale, vec)
+                if total > FLOAT32_MAX:  # the stream it is added to overflows the norms, whatever else it holds
+                    raise ConfigError.at(path + ".scale", f"{term.scale} times the vector: {overflow_reason(total)}")
                 key = vector_key(vec)
                 vectors[key] = vec
                 for layer in parse_layers(term.layer, facts.num_layers, path + ".layer"):

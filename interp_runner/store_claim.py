@@ -1,35 +1,40 @@
 """Where a run writes its store, and the rules that keep whatever is already there safe.
 
-For ``store.path`` = ``<parent>/<name>`` (``<stem>``: the name without its suffix):
+For ``store.path`` = ``<parent>/<name>`` (the companions are named after the store's whole name, so two stores in
+one folder never share one):
 
 - ``<parent>/<name>``: the store, put there (renamed) only once it is complete;
-- ``<parent>/<stem>.figures/``: its figures, moved there with it (the store's ``figures`` attribute lists them);
-- ``<parent>/<stem>.exports/``: files its kind writes for other tools (vectors as .safetensors / .gguf, ...), moved
+- ``<parent>/<name>.figures/``: its figures, moved there with it (the store's ``figures`` attribute lists them);
+- ``<parent>/<name>.exports/``: files its kind writes for other tools (vectors as .safetensors / .gguf, ...), moved
   there with it (its ``exports`` attribute lists them);
-- ``<parent>/<stem>.report.html``: its report (``interp_runner.report``), moved there with it;
+- ``<parent>/<name>.report.html``: its report (``interp_runner.report``), moved there with it;
 - ``<parent>/.<name>.partial/``: the run while it goes: ``<name>`` (the store, status ``running`` or ``failed``),
-  ``<stem>.figures/``, ``<stem>.exports/``, ``<stem>.report.html`` and ``journal/`` (``interp_runner.journal``);
-  what ``resume=true`` continues;
+  ``<name>.figures/``, ``<name>.exports/``, ``<name>.report.html`` and ``journal/`` (``interp_runner.journal``);
+  what ``resume=true`` continues (moved with the store path, it resumes there: the run key leaves the path out);
 - ``<parent>/.<name>.lock``: the lock held for the whole run (``interp_runner.store_lock``).
 
 A run deletes or replaces nothing it did not create, unless ``store.overwrite`` is true: then an existing store
-at the path (with its figures and exports) is replaced once the new one is complete, and an unfinished run's folder
-is discarded. Files that are not a store of this runner are never touched. Every check here runs before any engine
-starts; a refusal is a ``ConfigError`` naming ``store.path`` (or ``resume``).
+at the path (with its companions) is replaced once the new one is complete, and an unfinished run's folder is
+discarded. A companion is replaced only where the store at the path lists its content (``interp_runner.companions``):
+anything else at a companion's place, and anything at the path that is not a store of this runner, is never touched,
+whatever ``store.overwrite`` says. Every check here runs before any engine starts; a refusal is a ``ConfigError``
+naming ``store.path`` (or ``resume``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .companions import record, why_not_owned
 from .config import ConfigError
-from .journal import Journal
+from .journal import INDEX, Journal
 from .store import STATUS_COMPLETE, STATUS_FAILED, STATUS_RUNNING, mark, open_store
 from .store_lock import StoreLock, StoreLocked, describe_holder
 
@@ -64,22 +69,24 @@ class StoreTarget:
 
     @property
     def figures(self) -> Path:
-        name = f"{Path(self.path.name).stem}.figures"
-        return self.path.parent / (name if name != self.path.name else f"{name}.figures")
+        return self.path.parent / f"{self.path.name}.figures"
 
     @property
     def exports(self) -> Path:
-        name = f"{Path(self.path.name).stem}.exports"
-        return self.path.parent / (name if name != self.path.name else f"{name}.exports")
+        return self.path.parent / f"{self.path.name}.exports"
 
     @property
     def report(self) -> Path:
-        return self.path.parent / f"{Path(self.path.name).stem}.report.html"
+        return self.path.parent / f"{self.path.name}.report.html"
+
+    @property
+    def roles(self) -> dict[str, Path]:
+        """What goes beside the store and belongs to it, by role (``interp_runner.companions``)."""
+        return {"figures": self.figures, "exports": self.exports, "report": self.report}
 
     @property
     def companions(self) -> tuple[Path, ...]:
-        """What goes beside the store and belongs to it."""
-        return (self.figures, self.exports, self.report)
+        return tuple(self.roles.values())
 
     def staging(self, final: Path) -> Path:
         """Where ``final`` (the store or a companion) is written until the store is complete."""
@@ -116,7 +123,9 @@ def claim_store(path: Path, *, resume: bool, overwrite: bool, log: Callable[[str
                                            "wait for it to end, or choose another store.path") from None
     except OSError as err:
         _remove_created(target, created)
-        raise ConfigError.at("store.path", f"cannot lock {target.lock_file} ({err})") from None
+        raise ConfigError.at("store.path", f"cannot create the lock file {target.lock_file} "
+                                           f"({err.strerror or err}): a run needs a folder where it can create "
+                                           "files; choose another store.path") from None
     if lock.stale is not None:
         log(f"broke the stale lock on {target.path}: its holder ({describe_holder(lock.stale)}) is gone")
     try:
@@ -175,9 +184,18 @@ class StoreClaim:
         """Move the complete store and its companions into place (old ones aside first, with store.overwrite)."""
         t = self.target
         self.publishing = True
-        if os.path.lexists(t.path) and store_attrs(t.path) is None and not _empty_folder(t.path):
+        record(t.staged, {role: t.staging(p) for role, p in t.roles.items() if os.path.lexists(t.staging(p))})
+        attrs = store_attrs(t.path)
+        if os.path.lexists(t.path) and attrs is None and not _empty_folder(t.path):
             raise ConfigError.at("store.path", f"something that is not a store appeared at {t.path} while the run "
                                                f"went: the complete store stays at {t.staged}")
+        problems = _not_owned(t, attrs)
+        if problems:
+            raise ConfigError.at("store.path", f"{problems} (found as the run ended): the complete store stays at "
+                                               f"{t.staged}")
+        for p in t.companions:  # an empty folder holds nothing: the new companion takes its place
+            if _empty_folder(p):
+                p.rmdir()
         old = [p for p in (t.path, *t.companions) if os.path.lexists(p) and not _empty_folder(p)]
         if old and not self.overwrite:
             raise ConfigError.at("store.path", f"{', '.join(map(str, old))} appeared while the run went: the "
@@ -255,18 +273,35 @@ def _check(t: StoreTarget, resume: bool, overwrite: bool) -> None:
         raise ConfigError.at("store.path", f"{t.path} holds something that is not a store of this runner: it is "
                                            "never deleted or written into (not even with store.overwrite); "
                                            "choose another store.path")
+    problems = _not_owned(t, attrs)
+    if problems:
+        raise ConfigError.at("store.path", problems)
     if attrs is not None and not overwrite:
         raise ConfigError.at("store.path", f"{t.path} already holds a store ({describe(attrs)}): set "
                                            "store.overwrite=true to replace it once the new run is complete, or "
                                            "choose another store.path")
-    for companion in t.companions:
-        if os.path.lexists(companion) and attrs is None and not overwrite:
-            raise ConfigError.at("store.path", f"{companion} exists with no store at {t.path}: move it away, or set "
-                                               "store.overwrite=true to replace it")
+
+
+def _not_owned(t: StoreTarget, attrs: dict | None) -> str | None:
+    """Why what is at the companions' places may not be replaced (None if it may): each one the store at the path
+    (``attrs``) does not list as its own."""
+    problems = [f"{path} is not the store's own: {why}" for role, path in t.roles.items()
+                if os.path.lexists(path) and not _empty_folder(path)
+                and (why := why_not_owned(role, path, t.path, attrs)) is not None]
+    if not problems:
+        return None
+    return ("; ".join(problems) + ". A run replaces or deletes only the files the store at store.path lists as "
+            "its own, whatever store.overwrite says: move them away, or choose another store.path")
 
 
 def _empty_folder(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
+def _unfinished_run(folder: Path) -> bool:
+    """Whether ``folder`` is the folder of an unfinished run (``StoreTarget.work``)."""
+    name = re.fullmatch(r"\.(.+)\.partial", folder.name)
+    return name is not None and (store_attrs(folder / name[1]) is not None or (folder / "journal" / INDEX).is_file())
 
 
 def _make_folder(t: StoreTarget) -> Path | None:
@@ -278,6 +313,10 @@ def _make_folder(t: StoreTarget) -> Path | None:
     for ancestor in (existing, *existing.parents):
         if store_attrs(ancestor) is not None:
             raise ConfigError.at("store.path", f"{t.path} would be inside the store {ancestor}")
+        if _unfinished_run(ancestor):
+            raise ConfigError.at("store.path", f"{t.path} would be inside the unfinished run {ancestor} (of the "
+                                               f"store {ancestor.parent / ancestor.name[1:-len('.partial')]}): "
+                                               "choose a store.path outside it")
     if existing == parent:
         return None
     created = [a for a in (parent, *parent.parents) if not a.exists()][-1]

@@ -62,7 +62,9 @@ class StoreLock:
         self._lock = FileLock(str(self.path), timeout=0, on_acquired=self._write_holder)
 
     def acquire(self) -> None:
-        """Take the lock at once or raise ``StoreLocked``."""
+        """Take the lock at once or raise ``StoreLocked``; an ``OSError`` where the lock file cannot be made."""
+        # opened (created if missing) first, as the lock does: a file that cannot be made is not a lock held by another
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW, 0o644))
         for attempt in range(NAMELESS_RETRIES + 1):
             try:
                 self._lock.acquire(blocking=False)

@@ -8,6 +8,7 @@ from pathlib import Path
 import xarray as xr
 
 from .kinds import kind_of_store
+from .result_flags import nonfinite_lines
 
 
 def print_summary(store: Path) -> None:
@@ -15,7 +16,7 @@ def print_summary(store: Path) -> None:
     attrs = ds.attrs
     print(f"\n{attrs['experiment']['name']} v{attrs['experiment']['version']}  status={attrs['status']}  "
           f"model={Path(attrs['model']['path']).name} ({attrs.get('engine', {}).get('dtype')})")
-    for line in kind_of_store(attrs).summary(ds):
+    for line in [*kind_of_store(attrs).summary(ds), *nonfinite_lines(attrs)]:
         print(f"  {line}")
     for what in ("figures", "exports"):
         for path in attrs.get(what, [])[:1]:

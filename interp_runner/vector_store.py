@@ -2,7 +2,8 @@
 
 The layout that kind writes: data variable ``vector`` with dims (``method``, ``vector_hook``, ``vector_layer``,
 ``hidden``), coordinates ``method`` (str), ``vector_hook`` (str, ``interp_runner.sites.HOOKS``), ``vector_layer``
-(int, 0-based decoder layer); the root attribute ``status`` is "complete" once every array is written.
+(int, 0-based decoder layer); ``degenerate`` (bool, its first three dims), where present, marks vectors that are
+no direction, which are never read; the root attribute ``status`` is "complete" once every array is written.
 
 Reading never runs code: the store must be zarr v3 (JSON metadata), and an array is read only if every codec it
 names is a plain byte, compression or string codec (no pickle-based codec can be reached).
@@ -80,6 +81,19 @@ def read_store_vector(path: Path, method: str, hook: str, layer: int, where: str
     i = _index(methods, method, where + ".method", "method", path)
     j = _index(hooks, hook, where + ".hook", "vectors at hook", path)
     k = _index(layers, layer, where + ".layer", "vectors at layer", path)
+    sizes = (len(methods), len(hooks), len(layers))
+    if tuple(vector.shape[:3]) != sizes:
+        raise ConfigError.at(at, f"{path}: 'vector' has shape {list(vector.shape)}, but its coordinates name "
+                                 f"{list(sizes)} (method, vector_hook, vector_layer): a damaged store")
+    if "degenerate" in arrays:  # stores from before degeneracy was recorded lack it
+        flags = _checked(arrays, "degenerate", path, at)
+        if tuple(flags.metadata.dimension_names or ()) != DIMS[:3] or tuple(flags.shape) != sizes:
+            raise ConfigError.at(at, f"{path}: 'degenerate' has dims {flags.metadata.dimension_names} and shape "
+                                     f"{list(flags.shape)}, not {DIMS[:3]} of {list(sizes)}: a damaged store")
+        if bool(flags[i, j, k]):
+            raise ConfigError.at(where, f"{path}: its {method} vector at {hook} layer {layer} is degenerate (the "
+                                        "pairs' differences there are rounding noise of the activations: no "
+                                        "direction)")
     vec = np.asarray(vector[i, j, k, :])
     if np.issubdtype(vec.dtype, np.floating) and not np.isfinite(vec).all():
         raise ConfigError.at(where, f"{path} holds no {method} vector at {hook} layer {layer} (not finite: the "

@@ -115,3 +115,64 @@ def greedy(path: Path, token_ids: list[int], n: int, steer=None, phase: str = "b
         logprobs.append(float(lp[token]))
         ids.append(token)
     return out, logprobs
+
+
+def mix(value: torch.Tensor, rows, source: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``value`` with ``rows`` (token positions) replaced by (1 - alpha) * value + alpha * source."""
+    out = value.clone()
+    out[0, rows] = (1 - alpha) * value[0, rows] + alpha * source
+    return out
+
+
+def patched_logits(path: Path, token_ids: list[int], patches: dict, source: dict) -> torch.Tensor:
+    """Logits [T, V] of one sequence with activation patches, written from the hook-point definitions.
+
+    ``patches``: {(layer, hook): (positions, alpha)}; ``source``: {(layer, hook): [T, D]} (another run's values,
+    e.g. ``forward``'s). Residual-stream hooks mix the whole stream; post_attn (residual + attention output) is
+    mixed by rewriting the attention output so that the stream after the add is the mixed one."""
+    model = load(str(path))
+    handles, stream_in = [], {}
+
+    def site(i, hook):
+        positions, alpha = patches[(i, hook)]
+        return positions, torch.as_tensor(source[(i, hook)][positions]), alpha
+
+    for i, layer in enumerate(model.model.layers):
+        def pre_attn(module, args, kwargs, i=i):
+            h = args[0]
+            if (i, "pre_attn") in patches:
+                h = mix(h, *site(i, "pre_attn"))
+            stream_in[i] = h
+            return (h,) + tuple(args[1:]), kwargs
+
+        def attn(module, args, output, i=i):
+            out = output[0]
+            if (i, "attn_out") in patches:
+                out = mix(out, *site(i, "attn_out"))
+            if (i, "post_attn") in patches:
+                out = mix(stream_in[i] + out, *site(i, "post_attn")) - stream_in[i]
+            return (out,) + tuple(output[1:])
+
+        def mlp(module, args, output, i=i):
+            return mix(output, *site(i, "mlp_out")) if (i, "mlp_out") in patches else output
+
+        def block(module, args, output, i=i):
+            if (i, "post_block") not in patches:
+                return output
+            if isinstance(output, tuple):
+                return (mix(output[0], *site(i, "post_block")),) + tuple(output[1:])
+            return mix(output, *site(i, "post_block"))
+
+        handles += [
+            layer.register_forward_pre_hook(pre_attn, with_kwargs=True),
+            layer.self_attn.register_forward_hook(attn),
+            layer.mlp.register_forward_hook(mlp),
+            layer.register_forward_hook(block),
+        ]
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([token_ids])).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return logits.float()

@@ -239,7 +239,7 @@ def test_multi_token_answers_need_first_token_scoring():
 # -- the grid against HF transformers --------------------------------------------------------------------
 
 
-def hf_trace(path, fact_ids, subject, noise, answer, cells):
+def hf_trace(path, fact_ids, subject, noise, answer, cells, window=10):
     """Log-probabilities of ``answer`` for each cell (kind, layer, token) of one fact, from plain HF forward hooks:
     noise added to the subject's token embeddings, clean states put back at the restored sites."""
     model = hf_oracle.load(str(path))
@@ -262,7 +262,6 @@ def hf_trace(path, fact_ids, subject, noise, answer, cells):
     noise_t = torch.zeros(batch, n, noise.shape[-1])
     noise_t[:, subject] = torch.as_tensor(noise)
     restore = {}  # (kind, layer) -> list of (row, token)
-    window = 10
     for row, (kind, layer, token) in enumerate(cells):
         targets = [layer] if kind == "resid" else range(max(0, layer - window // 2), min(len(layers), layer + window // 2))
         for lay in targets:
@@ -353,6 +352,111 @@ def test_counterfactual_cells_restore_aligned_positions_only(tmp_path):
     last = next(r for r in cells if r.meta["token"] == 8)
     (src,) = last.payload["patch"]["src"]
     assert plan.refs[src] == ("f000-clean", site_id(2, "post_block"), 9)
+
+
+def test_counterfactual_store_names_the_clean_and_the_corrupt_prompt(tmp_path, smollm2_path):
+    """The store's prompt, prompt_tokens and token_text are the clean prompt's (HF's tokenizer here), the corrupt
+    prompt's are stored beside them under corrupt_*, and each cell's score lands at the clean token whose states it
+    restores (aligned by hand: the common prefix by identity, the common suffix by the length difference)."""
+    from transformers import AutoTokenizer
+
+    from interp_runner.engine import RequestResult
+    from interp_runner.kinds.causal_trace import KIND
+    from interp_runner.kinds.trace_figures import token_axis_label, trace_heatmap
+
+    clean_text, corrupt_text = "The Eiffel Tower is located in the city of", "The Great Wall is located in the city of"
+    fact = {"id": "eiffel", "subject": "The Eiffel Tower", "prompt": clean_text, "answer": " Paris",
+            "corrupt_prompt": corrupt_text}
+    prepared = prepare(trace_config(corruption="counterfactual", layers=[2], kinds=["resid"], num_facts=1,
+                                    facts=write_facts(tmp_path, [fact])))
+    plan = prepared.plan
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    clean_ids, corrupt_ids = tok(clean_text)["input_ids"], tok(corrupt_text)["input_ids"]
+    assert (len(clean_ids), len(corrupt_ids)) == (10, 9)
+    prefix = next(i for i, (a, b) in enumerate(zip(clean_ids, corrupt_ids)) if a != b)
+    suffix = next(i for i, (a, b) in enumerate(zip(clean_ids[::-1], corrupt_ids[::-1])) if a != b)
+    restored_at = [t if t < prefix else t - 1 if t >= len(clean_ids) - suffix else -1 for t in range(10)]
+    assert restored_at == [0, -1, -1, -1, 3, 4, 5, 6, 7, 8]
+    answer = tok(" Paris", add_special_tokens=False)["input_ids"][0]
+
+    def result(r, lp):
+        score = {"logprobs": np.array([lp], np.float32), "top_id": answer, "top_logprob": lp}
+        return RequestResult(r.rid, 0, [answer], "", [lp], score=score)
+
+    lp = {"clean": np.log(0.97), "corrupt": np.log(0.25)}
+    results = {r.rid: result(r, lp.get(r.meta["part"], -0.01 * (r.meta.get("token", 0) + 1))) for r in plan.requests}
+    ds = KIND.dataset(plan, results, 576, prepared.tokenizer)
+
+    assert str(ds["prompt"].values[0]) == clean_text and str(ds["corrupt_prompt"].values[0]) == corrupt_text
+    assert ds["prompt_tokens"].values[0].tolist() == clean_ids and int(ds["num_tokens"][0]) == 10
+    assert ds["corrupt_prompt_tokens"].values[0].tolist() == corrupt_ids and int(ds["corrupt_num_tokens"][0]) == 9
+    assert list(ds["token_text"].values[0]) == [tok.decode([i]) for i in clean_ids]
+    assert list(ds["corrupt_token_text"].values[0]) == [tok.decode([i]) for i in corrupt_ids]
+    assert ds["restored_at"].values[0].tolist() == restored_at
+    # subject span: the clean prompt's "The Eiffel Tower" (tokens 0-3)
+    assert (int(ds["subject_start"][0]), int(ds["subject_end"][0])) == (0, 4)
+    grid = ds["restored_logprob_samples"].values[0, 0, 0, :, 0]
+    for t, at in enumerate(restored_at):
+        if at < 0:
+            assert np.isnan(grid[t])  # no aligned position: never restored
+        else:
+            assert grid[t] == pytest.approx(-0.01 * (at + 1))
+    assert "clean prompt" in ds["restored_prob"].attrs["token"]
+
+    lines = KIND.summary(ds)
+    assert lines[1] == (f"[eiffel] clean {clean_text!r} -> ' Paris': p 0.970; corrupt {corrupt_text!r} -> ' Paris': "
+                        "p 0.250")
+    main, per_fact = KIND.report_sections(ds, [])
+    columns = main.tables[0].columns
+    row = dict(zip(columns, main.tables[0].rows[0]))
+    assert row["clean prompt"] == clean_text and row["corrupt prompt"] == corrupt_text
+    assert f"clean {clean_text!r}" in per_fact.text and f"corrupt {corrupt_text!r}" in per_fact.text
+    assert token_axis_label(ds).startswith("clean prompt's tokens")
+    assert trace_heatmap(ds, 0, "resid", tmp_path / "h.png").stat().st_size > 0
+
+
+@pytest.mark.engine
+def test_counterfactual_grid_is_by_clean_token_and_matches_hf_hooks(tiny_engine, tiny_path, tmp_path):
+    """A counterfactual prompt of another length: the grid's value at clean token p is the corrupt run with the
+    clean post_block state of token p put at its aligned corrupt position (plain HF hooks; aligned by hand)."""
+    from transformers import AutoTokenizer
+
+    clean_text, corrupt_text = "The Eiffel Tower is located in the city of", "The Great Wall is located in the city of"
+    fact = {"id": "eiffel", "subject": "The Eiffel Tower", "prompt": clean_text, "answer": " Paris",
+            "corrupt_prompt": corrupt_text}
+    config = trace_config("tiny_random", corruption="counterfactual", kinds=["resid"], layers=[1], window=2,
+                          filter=False, num_facts=1, plots=False, facts=write_facts(tmp_path, [fact]))
+    plan, results = run_packed(tiny_engine, config, False)
+    ds = trace_dataset(plan, results)
+    tok = AutoTokenizer.from_pretrained(str(tiny_path))
+    clean_ids, corrupt_ids = tok(clean_text)["input_ids"], tok(corrupt_text)["input_ids"]
+    answer = tok(" Paris", add_special_tokens=False)["input_ids"][0]
+    assert len(clean_ids) != len(corrupt_ids)
+    prefix = next(i for i, (a, b) in enumerate(zip(clean_ids, corrupt_ids)) if a != b)
+    suffix = next(i for i, (a, b) in enumerate(zip(clean_ids[::-1], corrupt_ids[::-1])) if a != b)
+    shift = len(corrupt_ids) - len(clean_ids)
+    aligned = {p: p if p < prefix else p + shift for p in range(len(clean_ids))
+               if p < prefix or p >= len(clean_ids) - suffix}
+    assert ds["prompt_tokens"].values[0].tolist() == clean_ids
+    assert ds["corrupt_prompt_tokens"].values[0].tolist() == corrupt_ids
+    assert ds["restored_at"].values[0].tolist() == [aligned.get(p, -1) for p in range(len(clean_ids))]
+
+    clean_logits, clean_acts = hf_oracle.forward(tiny_path, clean_ids)
+    corrupt_logits, _ = hf_oracle.forward(tiny_path, corrupt_ids)
+    for logits, name in ((clean_logits, "clean_prob"), (corrupt_logits, "corrupt_prob")):
+        want = float(torch.softmax(logits[-1].double(), -1)[answer])
+        assert float(ds[name][0]) == pytest.approx(want, abs=1e-5)
+    grid = ds["restored_logprob_samples"].values[0, 0, 0, :, 0]
+    for p in range(len(clean_ids)):
+        if p not in aligned:
+            assert np.isnan(grid[p]), p  # no aligned position in the corrupt prompt: never restored
+            continue
+        source = np.zeros((len(corrupt_ids), clean_acts[1, "post_block"].shape[-1]), np.float32)
+        source[aligned[p]] = clean_acts[1, "post_block"][p]
+        logits = hf_oracle.patched_logits(tiny_path, corrupt_ids, {(1, "post_block"): ([aligned[p]], 1.0)},
+                                          {(1, "post_block"): source})
+        want = float(torch.log_softmax(logits[-1].double(), -1)[answer])
+        assert float(grid[p]) == pytest.approx(want, abs=1e-4), p
 
 
 # -- packed cells -------------------------------------------------------------------------------------------

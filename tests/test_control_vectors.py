@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import xarray as xr
+import zarr
 from safetensors.numpy import load_file
 from zarr.codecs.numcodecs import Delta
 
@@ -40,11 +41,13 @@ def stored_vectors(hooks=("post_block", "mlp_out"), hidden=HIDDEN) -> np.ndarray
 
 
 def write_store(path: Path, values: np.ndarray | None = None, hooks=("post_block", "mlp_out"), status="complete",
-                encoding: dict | None = None, **attrs) -> np.ndarray:
-    """A store in the ``steering_vectors`` layout, written with xarray (zarr v3, as the runner writes stores)."""
+                encoding: dict | None = None, degenerate: np.ndarray | None = None, **attrs) -> np.ndarray:
+    """A store in the ``steering_vectors`` layout, written with xarray (zarr v3, as the runner writes stores);
+    ``degenerate`` (method, hook, layer) flags vectors as no direction."""
     values = stored_vectors(hooks) if values is None else values
+    flags = {} if degenerate is None else {"degenerate": (("method", "vector_hook", "vector_layer"), degenerate)}
     ds = xr.Dataset(
-        {"vector": (("method", "vector_hook", "vector_layer", "hidden"), values)},
+        {"vector": (("method", "vector_hook", "vector_layer", "hidden"), values), **flags},
         coords={"method": np.array(METHODS, dtype=np.dtypes.StringDType()),
                 "vector_hook": np.array(hooks, dtype=np.dtypes.StringDType()),
                 "vector_layer": np.array(LAYERS, dtype=np.int32)},
@@ -144,6 +147,26 @@ def test_foreign_control_vector_loads_at_its_layer(tmp_path, layer_count):
         assert same_bits(loaded({"file": "cv.gguf", "layer": layer}, tmp_path, layer=layer), directions[layer])
 
 
+def degenerate_at(method: int, hook: int, layer: int) -> np.ndarray:
+    flags = np.zeros((len(METHODS), 2, len(LAYERS)), bool)
+    flags[method, hook, layer] = True
+    return flags
+
+
+def test_degenerate_vectors_are_never_exported(tmp_path):
+    """A vector flagged degenerate is left out of the safetensors and its method's GGUF, even with finite values."""
+    values = write_store(tmp_path / "sv.zarr", degenerate=degenerate_at(1, 0, 2))  # pca, post_block, layer 2
+    export_vectors(xr.open_zarr(tmp_path / "sv.zarr", consolidated=False), tmp_path / "out")
+    tensors = load_file(str(tmp_path / "out" / "vectors.safetensors"))
+    assert len(tensors) == len(METHODS) * 2 * len(LAYERS) - 1 and "pca.post_block.2" not in tensors
+    assert same_bits(tensors["pca.post_block.3"], values[1, 0, 3])
+    pca = gguf.GGUFReader(str(tmp_path / "out" / "vectors.pca.gguf"))
+    assert [t.name for t in pca.tensors] == ["direction.1", "direction.3"]
+    assert pca.get_field("controlvector.layer_count").contents() == 2
+    mean = gguf.GGUFReader(str(tmp_path / "out" / "vectors.mean_diff.gguf"))
+    assert [t.name for t in mean.tensors] == ["direction.1", "direction.2", "direction.3"]
+
+
 def test_only_post_block_vectors_become_control_vectors(tmp_path):
     write_store(tmp_path / "sv.zarr", hooks=("mlp_out",), values=stored_vectors(("mlp_out",)))
     ds = xr.open_zarr(tmp_path / "sv.zarr", consolidated=False)
@@ -205,6 +228,13 @@ def make_inputs(d: Path) -> None:
     nan = stored_vectors()
     nan[1, 0, 2] = np.nan  # pca found no direction at post_block layer 2
     write_store(d / "nan.zarr", values=nan)
+    write_store(d / "degenerate.zarr", degenerate=degenerate_at(1, 0, 2))  # finite values, flagged no direction
+    write_store(d / "short.zarr")  # then its vector array holds 2 layers where its coordinates name 4
+    group = zarr.open_group(str(d / "short.zarr"), mode="r+", zarr_format=3)
+    del group["vector"]
+    short = group.create_array("vector", shape=(2, 2, 2, HIDDEN), dtype="float32",
+                               dimension_names=["method", "vector_hook", "vector_layer", "hidden"])
+    short[...] = stored_vectors()[:, :, :2]
     xr.Dataset({"tokens": (("request", "slot"), np.zeros((2, 3), np.int32))},
                attrs={"status": "complete"}).to_zarr(str(d / "other.zarr"), zarr_format=3, consolidated=False)
     # codecs beyond plain bytes, compression and strings are not read (a delta filter stands for any such)
@@ -255,6 +285,9 @@ CASES = [
     ("store-layer-it-lacks", {**STORE, "layer": 7}, V + ".layer", "[0, 1, 2, 3]"),
     ("store-width", {**STORE, "store": "narrow.zarr"}, V, "hidden size is 128"),
     ("store-no-direction", {**STORE, "store": "nan.zarr", "method": "pca"}, V, "no pca vector"),
+    ("store-degenerate", {**STORE, "store": "degenerate.zarr", "method": "pca"}, V, "is degenerate"),
+    ("store-vector-fewer-layers", {**STORE, "store": "short.zarr", "layer": 3}, V + ".store",
+     "has shape [2, 2, 2, 128], but its coordinates name [2, 2, 4]"),
     ("store-without-hook", {"store": "sv.zarr", "layer": 2}, V, "needs 'hook' and 'layer'"),
     ("store-bad-hook", {**STORE, "hook": "resid"}, V + ".hook", "Input should be"),
     ("store-and-file", {**STORE, "file": "cv.gguf"}, V, "exactly one of"),

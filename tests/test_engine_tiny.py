@@ -57,6 +57,37 @@ def test_steering_and_capture_match_hf(tiny_engine, tiny_path):
             assert rel_err(got, want) <= 1e-4, (layer, hook)
 
 
+SCALES = (2.5, -1.5)
+
+
+def test_steering_at_every_hook_and_scale_matches_hf(tiny_engine, tiny_path):
+    """Each prompt steered at one hook (every hook, each at a scale other than 1, one of them negative): greedy
+    tokens, their log-probabilities and every hook's values match plain HF hooks adding scale x vector."""
+    vec = np.asarray(vector(8, 3.0), dtype=np.float32)
+    cases = [(hook, scale) for hook in ALL_HOOKS for scale in SCALES]
+    texts = [PROMPTS[i % len(PROMPTS)] for i in range(len(cases))]
+    steering = {"request": [{"prompts": [i], "base": {hook: {"layer": "1:3", "vector": vec.tolist(), "scale": scale}}}
+                            for i, (hook, scale) in enumerate(cases)]}
+    capture = [{"hooks": ALL_HOOKS, "layers": "all", "positions": "all_prompt"}]
+    run = config(texts, steering=steering, capture=capture)
+    run["sampling"] = {"max_tokens": 3}
+    plan, results = run_config(tiny_engine, run)
+    for request, result, (hook, scale) in zip(plan.requests, results, cases):
+        ids = list(request.prompt.token_ids)
+        steer = {(layer, hook): vec * np.float32(scale) for layer in (1, 2)}
+        tokens, logprobs = hf_oracle.greedy(tiny_path, ids, 3, steer=steer)
+        assert result.token_ids == tokens, (hook, scale)
+        np.testing.assert_allclose(result.logprobs, logprobs, atol=1e-4, err_msg=f"{hook} {scale}")
+        _, ref = hf_oracle.forward(tiny_path, ids, steer)
+        _, unit = hf_oracle.forward(tiny_path, ids, {(layer, hook): vec for layer in (1, 2)})
+        for (layer, at), want in ref.items():
+            positions, got = result.captures[site_id(layer, at)]
+            assert positions.tolist() == list(range(len(ids)))
+            assert rel_err(got, want) <= 1e-4, (hook, scale, layer, at)
+        # the steered values tell this scale from scale 1 far beyond the tolerance
+        assert rel_err(unit[(2, "post_block")], ref[(2, "post_block")]) > 1e-2, (hook, scale)
+
+
 def test_prefix_cache_never_mixes_steered_and_unsteered_kv(tiny_engine):
     steered = {"global": {"prefill": {"post_block": {"layer": 1, "vector": vector(3)}}}}
     # reference results computed without reading the cache

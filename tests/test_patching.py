@@ -71,6 +71,48 @@ def test_alpha_0_is_the_identity(tiny_engine):
     assert by_role(*moved, "patched", 1).score["logprobs"][0] != baseline.score["logprobs"][0]
 
 
+ALPHAS = (0.25, 0.5, 0.8)
+
+
+def test_intermediate_alphas_mix_as_hf_hooks_do(tiny_engine, tiny_path):
+    """value <- (1 - alpha) * value + alpha * source at every hook, checked against plain HF hooks that mix the
+    clean run's values into the corrupted run themselves; alpha**2 (or 1 - alpha) would move these scores by far
+    more than the tolerance."""
+    import torch
+
+    import hf_oracle
+
+    layers, positions = [1, 2], [1, 2, 3, -1]
+    specs = [(hook, alpha) for hook in ALL_HOOKS for alpha in ALPHAS]
+    patching = [{"prompts": [1], "source": {"prompt": 0}, "hook": hook, "layers": layers, "positions": positions,
+                 "alpha": alpha} for hook, alpha in specs]
+    plan, results = run_plan(tiny_engine, base_config(prompts=scored(CLEAN, CORRUPT), patching=patching,
+                                                      sampling={"max_tokens": 1, "logprobs": 5}))
+    clean_ids, corrupt_ids = (list(plan.requests[i].prompt.token_ids) for i in (0, 1))
+    answer, foil = plan.requests[1].prompt.answer_ids
+    _, clean_values = hf_oracle.forward(tiny_path, clean_ids)
+    rows = [p % len(corrupt_ids) for p in positions]
+
+    def hf_logprobs(hook, alpha):
+        patches = {(layer, hook): (rows, alpha) for layer in layers}
+        logits = hf_oracle.patched_logits(tiny_path, corrupt_ids, patches, clean_values)
+        return torch.log_softmax(logits[-1].double(), -1).numpy()
+
+    for spec, (hook, alpha) in enumerate(specs):
+        got = by_role(plan, results, "patched", 1, spec)
+        want = hf_logprobs(hook, alpha)
+        assert got.void is None
+        np.testing.assert_allclose(got.score["logprobs"], [want[answer], want[foil]], atol=1e-4, err_msg=hook)
+        assert got.score["top_id"] == int(want.argmax()) == got.token_ids[0], (hook, alpha)
+        top = got.top_logprobs[0][:5]  # HF's five most likely tokens (up to ties within the tolerance)
+        ids = [t for t, _ in top]
+        np.testing.assert_allclose([lp for _, lp in top], want[ids], atol=1e-4, err_msg=hook)
+        assert want[ids].min() >= np.sort(want)[-5] - 1e-4, (hook, alpha)
+        # the scores tell alpha from alpha**2 apart, far beyond the tolerance
+        squared = hf_logprobs(hook, alpha * alpha)
+        assert np.abs(squared[[answer, foil]] - want[[answer, foil]]).max() > 1e-2, (hook, alpha)
+
+
 def test_restoring_every_token_at_the_first_layer_gives_the_clean_score(tiny_engine):
     patching = [{"prompts": [1], "source": {"prompt": 0}, "hook": "pre_attn", "layers": 0, "positions": "all"}]
     plan, results = run_plan(tiny_engine, base_config(prompts=scored(CLEAN, CORRUPT), patching=patching,

@@ -152,7 +152,7 @@ def figured_store(tmp_path) -> tuple[Path, dict[str, bytes]]:
 def test_every_figure_is_inline_once_with_its_exact_bytes(figured_store):
     store, figures = figured_store
     out = write_report(store, kind_for=lambda ds: FakeKind(shown=1))
-    assert out == store.parent / "results.report.html"
+    assert out == store.parent / "results.zarr.report.html"
     page = read_page(out)
     images = page.all("img")
     assert [i["alt"] for i in images] == list(figures)  # the section's figure first, then the others
@@ -229,22 +229,23 @@ def test_interp_report_rebuilds_a_store_report_and_a_sweep_index(tmp_path, monke
     monkeypatch.setattr(run_report, "default_kind", lambda ds: FakeKind(headline_attr="num_requests"))
     store = store_copy("steering_smoke", tmp_path / "old" / "results.zarr")
     assert report_cli.main([str(store)]) == 0
-    assert capsys.readouterr().out.strip() == str(tmp_path / "old" / "results.report.html")
+    assert capsys.readouterr().out.strip() == str(tmp_path / "old" / "results.zarr.report.html")
     assert report_cli.main([str(store), "--out", str(tmp_path / "elsewhere.html")]) == 0
     assert read_page(tmp_path / "elsewhere.html").headings["h1"] == ["steering_smoke v1"]
 
     (tmp_path / INDEX).write_text(json.dumps({"jobs": [
         {"num": 0, "overrides": ["a=1"], "status": "complete", "store": "old/results.zarr"}]}))
     assert report_cli.main([str(tmp_path)]) == 0
-    assert [a["href"] for a in read_page(tmp_path / "index.html").all("a")] == ["old/results.report.html"]
+    assert [a["href"] for a in read_page(tmp_path / "index.html").all("a")] == ["old/results.zarr.report.html"]
     assert report_cli.main([str(tmp_path), "--out", str(tmp_path / "sub" / "page.html")]) == 0
-    assert [a["href"] for a in read_page(tmp_path / "sub" / "page.html").all("a")] == ["../old/results.report.html"]
+    hrefs = [a["href"] for a in read_page(tmp_path / "sub" / "page.html").all("a")]
+    assert hrefs == ["../old/results.zarr.report.html"]
 
     (tmp_path / "notes").mkdir()
     for path in (tmp_path / "notes", tmp_path / "missing.zarr"):
         assert report_cli.main([str(path)]) == 2
         assert "is neither a store of interp-runner nor a sweep folder" in capsys.readouterr().err
-    assert not (tmp_path / "notes.report.html").exists() and not (tmp_path / "missing.report.html").exists()
+    assert not (tmp_path / "notes.report.html").exists() and not (tmp_path / "missing.zarr.report.html").exists()
 
 
 # ------------------------------------------------------------------ sweep index
@@ -269,12 +270,12 @@ def test_the_sweep_index_lists_every_job_and_plots_the_headline_against_the_swep
     jobs = sweep_of_stores(tmp_path, [3, 1, 0.5, 2])
     out = write_sweep_index(tmp_path, jobs, swept_parameters(jobs), kind_for=lambda ds: FakeKind(headline_attr="score"))
     page = read_page(out)
-    assert_self_contained(page, hrefs_allowed=tuple(f"{n}/results.report.html" for n in range(3)))
+    assert_self_contained(page, hrefs_allowed=tuple(f"{n}/results.zarr.report.html" for n in range(3)))
     assert page.headings["h2"] == ["Jobs", "Comparison"]
     assert "every job: model=tiny_random" in page.words()
     # links: relative, to the reports that exist, each of them there
     hrefs = [a["href"] for a in page.all("a")]
-    assert hrefs == ["0/results.report.html", "1/results.report.html", "2/results.report.html"]
+    assert hrefs == ["0/results.zarr.report.html", "1/results.zarr.report.html", "2/results.zarr.report.html"]
     assert all((tmp_path / h).is_file() for h in hrefs)
     jobs_table = page.table("job", "causal_trace.noise.k", "status", "headline", "report", "store")
     assert [row[:4] for row in jobs_table] == [["0", "3", "complete", "p(answer) = 30"], ["1", "1", "failed", "—"],

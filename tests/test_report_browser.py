@@ -67,7 +67,7 @@ def open_and_shoot(browser: Browser, page: Path, shot: Path) -> PageLoad:
 
 @pytest.mark.parametrize("golden", GOLDEN, ids=[p.stem for p in GOLDEN])
 def test_the_report_of_a_golden_store_reads_cleanly_in_a_browser(browser, golden, tmp_path):
-    page = write_report(golden, tmp_path / f"{golden.stem}.report.html")
+    page = write_report(golden, tmp_path / f"{golden.name}.report.html")
     load = open_and_shoot(browser, page, tmp_path / f"{golden.stem}.report.png")
     experiment = dict(zarr.open_group(str(golden), mode="r").attrs)["experiment"]
     assert load.facts["h1"] == [f"{experiment['name']} v{experiment['version']}"]
@@ -94,9 +94,9 @@ def traced_sweep(tmp_path_factory) -> Path:
 @pytest.mark.engine
 def test_a_run_writes_its_report_beside_the_store_with_every_figure_shown(browser, traced_sweep, tmp_path):
     store = traced_sweep / "0" / "results.zarr"
-    page = traced_sweep / "0" / "results.report.html"
+    page = traced_sweep / "0" / "results.zarr.report.html"
     assert page.is_file()
-    figures = [store.parent / "results.figures" / Path(p).name
+    figures = [store.parent / "results.zarr.figures" / Path(p).name
                for p in dict(zarr.open_group(str(store), mode="r").attrs)["figures"]]
     assert len(figures) >= 4 and all(f.is_file() for f in figures)
     load = open_and_shoot(browser, page, tmp_path / "causal_trace_figures.report.png")
@@ -108,7 +108,7 @@ def test_a_run_writes_its_report_beside_the_store_with_every_figure_shown(browse
 @pytest.mark.engine
 def test_the_index_of_a_real_sweep_plots_the_headline_against_the_swept_override(browser, traced_sweep, tmp_path):
     load = open_and_shoot(browser, traced_sweep / "index.html", tmp_path / "causal_trace_sweep.index.png")
-    assert load.facts["links"] == ["0/results.report.html", "1/results.report.html"]
+    assert load.facts["links"] == ["0/results.zarr.report.html", "1/results.zarr.report.html"]
     assert [image["alt"] for image in load.facts["images"]] == ["headline against causal_trace.noise.k"]
     # the plotted numbers are the jobs' headlines, each computed here from its store
     page = (traced_sweep / "index.html").read_text()
@@ -128,7 +128,7 @@ def test_a_sweep_index_reads_cleanly_in_a_browser(browser, tmp_path):
     load = open_and_shoot(browser, page, tmp_path / "sweep.index.png")
     assert load.facts["h2"] == ["Jobs", "Comparison"]
     assert [image["alt"] for image in load.facts["images"]] == ["headline against causal_trace.noise.k"]
-    assert load.facts["links"] == ["0/results.report.html", "1/results.report.html"]
+    assert load.facts["links"] == ["0/results.zarr.report.html", "1/results.zarr.report.html"]
     # the links open the jobs' reports
     linked = browser.open(tmp_path / load.facts["links"][0])
     assert linked.errors == [] and linked.facts["h2"][0] == "Summary"

@@ -1,11 +1,11 @@
 """The report beside a store is one of its companions (``StoreTarget.companions``), as its figures are: staged with
-the store, moved into place with it, replaced with it by ``store.overwrite``, never published by a run that fails,
-and a report without its store at the path is refused. In process, with a fake engine (tests/test_store_safety.py).
+the store, moved into place with it, replaced with it by ``store.overwrite`` (the store lists it as its own),
+never published by a run that fails, and a report the store at the path does not list is refused. In process, with
+a fake engine (tests/test_store_safety.py).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ from interp_runner.pipeline import run
 from interp_runner.store_claim import StoreTarget
 from test_report import read_page
 from test_store import store_config
-from test_store_safety import GOLDEN, NoEngine, engine_serving, snapshot
+from test_store_safety import NoEngine, engine_serving, snapshot
 
 
 def config_at(store: Path, **store_settings) -> dict:
@@ -36,9 +36,9 @@ def test_a_run_writes_the_report_of_its_complete_store_beside_it(tmp_path):
     store = tmp_path / "data" / "results.zarr"
     config = config_at(store)
     run(config, tmp_path / "run", engine_factory=engine_serving(config), log=lambda _: None)
-    assert sorted(p.name for p in store.parent.iterdir()) == ["results.report.html", "results.zarr"]
+    assert sorted(p.name for p in store.parent.iterdir()) == ["results.zarr", "results.zarr.report.html"]
     attrs = attrs_of(store)
-    page = read_page(store.parent / "results.report.html")
+    page = read_page(store.parent / "results.zarr.report.html")
     cells = provenance_cells(page)
     # rendered once the store was complete: its final status, finish time and timings
     assert cells["status"] == "complete" and cells["finished_at"] == attrs["finished_at"]
@@ -48,14 +48,12 @@ def test_a_run_writes_the_report_of_its_complete_store_beside_it(tmp_path):
 
 @pytest.fixture
 def old_store(tmp_path) -> tuple[Path, dict[str, bytes]]:
-    """A complete store at the path with its report and figures, and what the folder held (bytes)."""
-    area = tmp_path / "data"
-    area.mkdir()
-    shutil.copytree(GOLDEN, area / "results.zarr")
-    (area / "results.report.html").write_text("<p>the old report</p>")
-    (area / "results.figures").mkdir()
-    (area / "results.figures" / "old.png").write_bytes(b"old figure")
-    return area / "results.zarr", snapshot(area)
+    """A complete store at the path, written by a run (another seed) with its report, and what the folder held."""
+    store = tmp_path / "data" / "results.zarr"
+    config = config_at(store)
+    config["sampling"] = {**config["sampling"], "seed": 6}
+    run(config, tmp_path / "old", engine_factory=engine_serving(config), log=lambda _: None)
+    return store, snapshot(store.parent)
 
 
 def test_a_run_that_fails_leaves_the_old_report_and_publishes_none(old_store, monkeypatch):
@@ -82,24 +80,22 @@ def test_overwrite_replaces_the_report_with_the_store_once_the_new_one_is_comple
     config = config_at(store, overwrite=True)
     logged = []
     run(config, store.parent.parent / "run", engine_factory=engine_serving(config), log=logged.append)
-    assert any("store.overwrite: replaced" in line and "results.report.html" in line for line in logged)
-    assert sorted(p.name for p in store.parent.iterdir()) == ["results.report.html", "results.zarr"]
+    assert any("store.overwrite: replaced" in line and "results.zarr.report.html" in line for line in logged)
+    assert sorted(p.name for p in store.parent.iterdir()) == ["results.zarr", "results.zarr.report.html"]
     new = attrs_of(store)
     assert new["run_key"] != old_run_key
-    assert provenance_cells(read_page(store.parent / "results.report.html"))["run_key"] == new["run_key"]
+    assert provenance_cells(read_page(store.parent / "results.zarr.report.html"))["run_key"] == new["run_key"]
 
 
 def test_a_report_without_its_store_is_refused(tmp_path):
     area = tmp_path / "data"
     area.mkdir()
-    (area / "results.report.html").write_text("<p>someone's page</p>")
+    (area / "results.zarr.report.html").write_text("<p>someone's page</p>")
     before = snapshot(area)
-    with pytest.raises(ConfigError) as err:
-        run(config_at(area / "results.zarr"), tmp_path / "run", engine_factory=NoEngine, log=lambda _: None)
-    (key, message), = err.value.problems
-    assert key == "store.path" and f"{area / 'results.report.html'} exists with no store" in message
-    assert snapshot(area) == before
-    # with store.overwrite the page is replaced by the new run's report
-    config = config_at(area / "results.zarr", overwrite=True)
-    run(config, tmp_path / "run", engine_factory=engine_serving(config), log=lambda _: None)
-    assert "someone's page" not in (area / "results.report.html").read_text()
+    for overwrite in (False, True):  # not the run's to replace, whatever store.overwrite says
+        with pytest.raises(ConfigError) as err:
+            run(config_at(area / "results.zarr", overwrite=overwrite), tmp_path / "run", engine_factory=NoEngine,
+                log=lambda _: None)
+        (key, message), = err.value.problems
+        assert key == "store.path" and f"{area / 'results.zarr.report.html'} is not the store's own" in message
+        assert snapshot(area) == before

@@ -17,20 +17,18 @@ from interp_runner.kinds.steering_vectors import KIND
 from interp_runner.payload import DECODE, PREFILL
 from interp_runner.pipeline import prepare
 from interp_runner.sites import site_id
-from interp_runner.vector_methods import DegenerateDirection, derive, mean_diff, pca
+from interp_runner.vector_methods import DegenerateDirection, derive, mean_diff, pair_projections, pca
 
 # -- the methods ------------------------------------------------------------------------------------------
 
 
 def oracle_pca(diffs: np.ndarray) -> np.ndarray:
-    """The top eigenvector of the covariance of the differences, signed so that most pairs project positively
-    (repeng); on a tie, so that its largest-magnitude component is positive (sklearn's convention)."""
+    """The top eigenvector of the covariance of the differences, signed so that the mean difference projects
+    positively on it."""
     centred = diffs - diffs.mean(axis=0)
     _, vectors = np.linalg.eigh(centred.T @ centred)
     top = vectors[:, -1]
-    above, below = (diffs @ top > 0).sum(), (diffs @ top < 0).sum()
-    flip = below > above or (below == above and top[np.argmax(np.abs(top))] < 0)
-    return -top if flip else top
+    return -top if diffs.mean(axis=0) @ top < 0 else top
 
 
 def test_mean_diff_is_the_mean_paired_difference():
@@ -56,13 +54,35 @@ def test_pca_finds_the_direction_the_differences_vary_along():
     np.testing.assert_allclose(got, oracle_pca(pos - neg), atol=1e-6)
 
 
-def test_pca_sign_follows_the_majority_of_pairs_not_the_mean():
-    """Three pairs project a little above zero, one far below: the mean difference points down, the majority up."""
+def test_pca_sign_follows_the_mean_difference_not_the_majority_of_pairs():
+    """Three pairs project a little above zero, one far below: the mean difference points down, the majority up;
+    +pca must steer the average pair the way +mean_diff does."""
     axis = np.eye(4)[0]
-    neg = np.zeros((4, 4))
-    pos = np.outer([1.0, 1.0, 1.0, -9.0], axis) + np.diag([0.0, 0.01, 0.02, 0.03])
+    neg = np.full((4, 4), 2.0)
+    pos = neg + np.outer([1.0, 1.0, 1.0, -9.0], axis) + np.diag([0.0, 0.01, 0.02, 0.03])
     got = pca(pos, neg)
-    assert got[0] > 0.99 and mean_diff(pos, neg)[0] < 0
+    assert got[0] < -0.99  # the mean difference is (-1.5, ...): along -axis
+    assert float(got @ mean_diff(pos, neg)) > 0
+    # each pair's projection: (pos - neg) . unit direction, by hand
+    want = np.array([1.0, 1.0, 1.0, -9.0]) * got[0] + np.array([0.0, 0.01 * got[1], 0.02 * got[2], 0.03 * got[3]])
+    np.testing.assert_allclose(pair_projections(pos, neg, got), want, rtol=1e-6)
+    assert (pair_projections(pos, neg, got) > 0).mean() == 0.25  # one pair in four agrees: the summary warns
+
+
+def test_degenerate_is_judged_against_the_activations_norm():
+    """Differences of 1e-7 of activations of norm about 10 (float32 kernel noise) are no direction for either
+    method; the same differences beside activations of norm 1e-5 are one (not an exact-zero test)."""
+    rng = np.random.default_rng(5)
+    acts = rng.standard_normal((6, 32)) * (10 / np.sqrt(32))
+    noise = rng.standard_normal((6, 32)) * 1e-7
+    assert np.abs(noise).min() > 0
+    for method in ("mean_diff", "pca"):
+        with pytest.raises(DegenerateDirection, match="rounding noise"):
+            derive(method, acts + noise, acts)
+    small = acts * 1e-6  # norm about 1e-5: the differences are a tenth of it
+    np.testing.assert_allclose(derive("mean_diff", small + noise, small), noise.mean(axis=0), rtol=1e-6)
+    got = derive("pca", small + noise, small)
+    np.testing.assert_allclose(got, oracle_pca(noise), atol=1e-6)
 
 
 def test_pca_of_differences_that_do_not_vary_is_refused():
@@ -185,6 +205,177 @@ def test_bad_inputs_name_their_key(tmp_path, cached_tokenizers):
     assert problems(sv_config(pairs=one))[0][0] == "steering_vectors.methods"
     (_, reason), = problems({**sv_config(), "prompts": {"items": ["Hello"]}})
     assert "'prompts' cannot be combined with 'steering_vectors'" in reason
+
+
+def test_pairs_whose_two_texts_are_the_same_tokens_are_refused(tmp_path, cached_tokenizers):
+    rows = [{"positive": "I liked it", "negative": "I hated it"}, {"positive": "Same text", "negative": "Same text"}]
+    (key, why), = problems(sv_config(pairs=write_jsonl(tmp_path / "same.jsonl", rows)))
+    assert key == "steering_vectors.pairs[1].negative" and "same tokens as its positive" in why
+    ab = [AB_PAIRS[0], {**AB_PAIRS[1], "negative": AB_PAIRS[1]["positive"]}]
+    assert problems(sv_config(pairs=write_jsonl(tmp_path / "ab.jsonl", ab)))[0][0] == \
+        "steering_vectors.pairs[1].negative"
+
+
+def fake_stage_results(plan, acts: dict) -> dict:
+    """Results standing for a run: ``acts[site]`` = (positive [pairs, hidden], negative) at the last token; every
+    held-out request scores answer -1.0 and foil -3.0 (a logit difference of 2)."""
+    out = {}
+    for r in plan.requests:
+        if r.stage == 0:
+            pair, side = r.meta["pair"], r.meta["side"]
+            captures = {site: (np.array([len(r.prompt.token_ids) - 1], np.int32),
+                               values[side][pair][None].astype(np.float32)) for site, values in acts.items()}
+            out[r.rid] = RequestResult(r.rid, r.prompt.index, [0], "", [0.0], captures=captures)
+        else:
+            out[r.rid] = RequestResult(r.rid, r.prompt.index, [0], "", [0.0],
+                                       score={"logprobs": np.array([-1.0, -3.0], np.float32)})
+    return out
+
+
+def test_store_marks_degenerate_vectors_and_signs_pca_by_the_mean_difference(tmp_path, cached_tokenizers):
+    """Captures made here: at pre_attn L0 the pairs differ by 1e-7 of activations of norm about 10 (no direction);
+    at post_block L1 17 of 24 pairs differ by +1 along an axis and 7 by -9 (the mean points down, most pairs up);
+    elsewhere every pair differs along one direction. Checked against numpy by hand."""
+    from interp_runner.control_vectors import export_vectors
+
+    config = sv_config(hooks=["pre_attn", "post_block"], layers=[0, 1, 2],
+                       eval={"layers": [0, 1], "scales": [1.0]})
+    plan = prepare(config).plan
+    pairs, hidden = len(plan.layout.pairs), 128
+    rng = np.random.default_rng(11)
+    acts = {}
+    for hook in ("pre_attn", "post_block"):
+        for layer in (0, 1, 2):
+            neg = rng.standard_normal((pairs, hidden)) * (10 / np.sqrt(hidden))
+            direction = rng.standard_normal(hidden)  # every pair differs along it, by varying positive amounts
+            diffs = np.outer(rng.uniform(0.5, 2.0, pairs), direction) + 0.05 * rng.standard_normal((pairs, hidden))
+            acts[site_id(layer, hook)] = (neg + diffs, neg)
+    neg = acts[site_id(0, "pre_attn")][1]
+    acts[site_id(0, "pre_attn")] = (neg + rng.standard_normal((pairs, hidden)) * 1e-7 * 10 / np.sqrt(hidden), neg)
+    amounts = np.array([1.0] * 17 + [-9.0] * 7)
+    axis = np.eye(hidden)[3]
+    neg = acts[site_id(1, "post_block")][1]
+    acts[site_id(1, "post_block")] = (neg + np.outer(amounts, axis) + 1e-3 * rng.standard_normal((pairs, hidden)),
+                                      neg)
+    results = fake_stage_results(plan, acts)
+    derived = plan.derive_vectors(results)
+    assert not np.any(derived[plan.layout.keys[0]])  # no direction at the evaluated pre_attn L0: steers by nothing
+    ds = KIND.dataset(plan, results, hidden, None)
+
+    degenerate = ds["degenerate"].transpose("method", "vector_hook", "vector_layer").values
+    want = np.zeros((2, 2, 3), bool)
+    want[:, 0, 0] = True  # both methods at pre_attn L0
+    np.testing.assert_array_equal(degenerate, want)
+    assert np.isnan(ds["vector"].sel(vector_hook="pre_attn", vector_layer=0).values).all()
+    assert np.isnan(ds["pairs_aligned"].sel(vector_hook="pre_attn", vector_layer=0).values).all()
+    for (layer, hook), (pos, neg) in ((site, acts[site_id(*site)]) for site in
+                                      [(lay, h) for h in ("pre_attn", "post_block") for lay in (0, 1, 2)]):
+        rows = np.concatenate([pos, neg]).astype(np.float32).astype(np.float64)
+        assert float(ds["activation_norm"].sel(vector_hook=hook, vector_layer=layer)) == \
+            pytest.approx(np.mean(np.sqrt((rows ** 2).sum(-1))), rel=1e-6)
+    # post_block L1: pca along -axis (the mean difference's way), 7 of 24 pairs agree
+    pos, neg = (a.astype(np.float32).astype(np.float64) for a in acts[site_id(1, "post_block")])
+    diffs = pos - neg
+    at = {"vector_hook": "post_block", "vector_layer": 1}
+    got = ds["vector"].sel({"method": "pca", **at}).values.astype(np.float64)
+    np.testing.assert_allclose(got, oracle_pca(diffs), atol=1e-6)
+    assert got[3] < -0.99 and got @ diffs.mean(axis=0) > 0
+    np.testing.assert_allclose(ds["pair_projection"].sel({"method": "pca", **at}).values, diffs @ got,
+                               rtol=1e-5, atol=1e-6)
+    assert float(ds["pairs_aligned"].sel({"method": "pca", **at})) == pytest.approx(7 / 24)
+    mean = diffs.mean(axis=0)
+    np.testing.assert_allclose(ds["pair_projection"].sel({"method": "mean_diff", **at}).values,
+                               diffs @ (mean / np.linalg.norm(mean)), rtol=1e-5, atol=1e-6)
+    # the evaluation at pre_attn L0 steered by no direction: no result; at L1 a result
+    assert np.isnan(ds["steered_logit_diff"].sel(layer=0).values).all()
+    assert np.isnan(ds["mean_effect"].sel(layer=0).values).all()
+    np.testing.assert_allclose(ds["effect"].sel(layer=1).values, 0.0)
+
+    lines = KIND.summary(ds)
+    (dead,) = [line for line in lines if line.startswith("warning: degenerate")]
+    assert "mean_diff at pre_attn L0" in dead and "pca at pre_attn L0" in dead and "L1" not in dead
+    (weak,) = [line for line in lines if line.startswith("warning: the pairs barely agree")]
+    assert weak.endswith("mean_diff at post_block L1; pca at post_block L1")  # 7 of 24 agree with either
+    (section,) = KIND.report_sections(ds, [])
+    assert "warning: degenerate" in section.text
+    row = next(row for row in section.tables[1].rows if row[:2] == ("pca", "pre_attn"))
+    assert row[2] == "degenerate" and all(isinstance(v, float) for v in row[3:])
+
+    # never exported: no tensor of a degenerate vector
+    written = export_vectors(ds, tmp_path / "out", architecture="LlamaForCausalLM")
+    from safetensors.numpy import load_file
+
+    names = set(load_file(str(tmp_path / "out" / "vectors.safetensors")))
+    assert names == {f"{m}.{h}.{lay}" for m in ("mean_diff", "pca") for h in ("pre_attn", "post_block")
+                     for lay in (0, 1, 2)} - {"mean_diff.pre_attn.0", "pca.pre_attn.0"}
+    assert sorted(p.name for p in written) == ["vectors.mean_diff.gguf", "vectors.pca.gguf", "vectors.safetensors"]
+
+
+class Borrowed:
+    """The session's engine, lent to one pipeline run (which does not close it)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def close(self):
+        pass
+
+
+SAME_LAST_TOKEN = [("I think the film was good.", "I think the film was bad."),
+                   ("The meal tonight was lovely.", "The meal tonight was awful."),
+                   ("Our trip to the coast was great.", "Our trip to the coast was dull."),
+                   ("She said the book was wonderful.", "She said the book was boring.")]
+
+
+@pytest.mark.engine
+def test_a_run_flags_degenerate_vectors_and_never_exports_or_reads_them(tiny_engine, tiny_path, tmp_path):
+    """Pairs that differ before their shared last token: at pre_attn of layer 0 (that token's embedding) the pairs
+    define no direction. Which sites are degenerate, and the vectors elsewhere, from plain HF hooks and numpy."""
+    import xarray as xr
+    from safetensors.numpy import load_file
+    from transformers import AutoTokenizer
+
+    from conftest import base_config
+    from interp_runner.pipeline import run
+    from interp_runner.store_claim import StoreTarget
+
+    store = tmp_path / "sv.zarr"
+    rows = [{"positive": a, "negative": b} for a, b in SAME_LAST_TOKEN]
+    config = {**sv_config(pairs=write_jsonl(tmp_path / "pairs.jsonl", rows), hooks=["pre_attn", "post_block"],
+                          layers="all", eval={"layers": [0, 1], "scales": [1.0], "plots": False}),
+              "store": {"path": str(store)}}
+    run(config, tmp_path, engine_factory=lambda *_: Borrowed(tiny_engine), log=lambda _: None)
+    ds = xr.open_zarr(str(store), consolidated=False)
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_path))
+    pairs = [(tok(a)["input_ids"], tok(b)["input_ids"]) for a, b in SAME_LAST_TOKEN]
+    assert all(a[-1] == b[-1] and a != b for a, b in pairs)
+    sites = [(layer, hook) for hook in ("pre_attn", "post_block") for layer in range(4)]
+    want, scales = oracle_vectors(tiny_path, pairs, sites)
+    for layer, hook in sites:
+        relative = np.linalg.norm(want["mean_diff", hook, layer]) / scales[hook, layer]
+        assert (relative == 0) == (hook == "pre_attn" and layer == 0)  # the shared token's embedding
+        flags = ds["degenerate"].sel(vector_hook=hook, vector_layer=layer).values
+        assert flags.tolist() == [relative <= 1e-4] * 2, (hook, layer)
+    assert np.isnan(ds["vector"].sel(vector_hook="pre_attn", vector_layer=0).values).all()
+    assert_vectors_match(ds, {k: v for k, v in want.items() if k[1:] != ("pre_attn", 0)}, scales)
+    assert np.isnan(ds["mean_effect"].sel(layer=0).values).all() and np.isfinite(ds["mean_effect"].sel(layer=1)).all()
+
+    target = StoreTarget.at(store)
+    names = set(load_file(str(target.exports / "vectors.safetensors")))
+    assert "mean_diff.pre_attn.0" not in names and "pca.pre_attn.0" not in names and len(names) == 2 * 8 - 2
+    assert any("warning: degenerate" in line and "pre_attn L0" in line for line in KIND.summary(ds))
+    assert "warning: degenerate" in target.report.read_text()
+
+    steer = {"global": {"base": {"pre_attn": {"layer": 0, "vector": "v"}}}}
+    for method in ("mean_diff", "pca"):
+        spec = {"store": str(store), "hook": "pre_attn", "layer": 0, "method": method}
+        with pytest.raises(ConfigError) as err:
+            prepare(base_config(vectors={"v": spec}, steering=steer))
+        assert "is degenerate" in dict(err.value.problems)["vectors.v"]
 
 
 # -- on SmolLM2, against plain HF transformers hooks ------------------------------------------------------

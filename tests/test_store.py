@@ -337,7 +337,7 @@ def test_pipeline_with_fake_engine_completes(tmp_path):
     assert run(config, tmp_path / "run", engine_factory=FakeEngine, log=lambda _: None) == store
     assert seen["status"] == STATUS_RUNNING and not seen["published"]
     # the store and its report; the unfinished run and the lock are gone
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.report.html", "ok.zarr"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.zarr", "ok.zarr.report.html"]
     attrs = dict(zarr.open_group(str(store), mode="r").attrs)
     assert attrs["status"] == STATUS_COMPLETE and "error" not in attrs
     assert attrs["engine"].items() >= {"dtype": "float32", "plugin_status": {"loaded": True}, "reused": False,

@@ -38,8 +38,8 @@ def test_multirun_reuses_the_engine_until_its_settings_change(tmp_path):
     # the sweep's page links every job's report (written beside its store); two overrides differ: no plot
     index = (sweep / "index.html").read_text()
     for job in jobs:
-        assert f'<a href="{job["num"]}/results.report.html">' in index
-        assert (sweep / str(job["num"]) / "results.report.html").is_file()
+        assert f'<a href="{job["num"]}/results.zarr.report.html">' in index
+        assert (sweep / str(job["num"]) / "results.zarr.report.html").is_file()
     assert "<img" not in index and "no single parameter to plot against" in index
 
     ds = interp_runner.open_sweep(sweep)

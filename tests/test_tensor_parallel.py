@@ -2,7 +2,9 @@
 results (fp32, within the all-reduce's rounding), and both ranks' intervention checksums are recorded and equal.
 
 Each run is a fresh process (vLLM starts TP workers with spawn), bound to its own cores and with its own Inductor
-cache (vLLM compiles the vocab-parallel embedding's mask with Inductor under TP, even in eager mode).
+cache (vLLM compiles the vocab-parallel embedding's mask with Inductor under TP, even in eager mode). On a GPU
+machine the same tests run on two GPUs: each run process ends only once its engine's workers have (vLLM's own
+shutdown returns while they still tear down, holding GPU memory the next run's engine start needs).
 """
 
 from __future__ import annotations
@@ -77,8 +79,10 @@ def run_tp(tp: int, tmp_path, max_tokens: int = 1, make_config=None) -> xr.Datas
     cfg = tmp_path / f"tp{tp}.json"
     made = make_config(tp, str(store)) if make_config else config(tp, str(store), max_tokens)
     cfg.write_text(json.dumps(made))
+    # the repository first, then the environment's own path (where packages may come from PYTHONPATH)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{tp}"),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0", "PYTHONPATH": str(REPO)}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0", "PYTHONPATH": path}
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:tp])
     out = subprocess.run([sys.executable, "-c", RUNNER, str(cfg), str(tmp_path / f"run{tp}")], env=env,
@@ -122,3 +126,21 @@ def test_tp2_packed_trace_cells_match_tp1(tmp_path):
     a, b = one["restored_logprob_samples"].values, two["restored_logprob_samples"].values
     assert np.isfinite(a).sum() == 2 * 2 * 2 * int(one["num_tokens"][0]) and two.attrs["voided"] == []
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * max(float(np.nanmax(np.abs(a))), 1.0))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores for two ranks")
+def test_closing_a_tp_engine_waits_for_its_processes(tiny_path, monkeypatch):
+    """vLLM's shutdown kills an engine core that takes over 5 s to stop and returns while its TP workers still run;
+    ``close`` returns only once every process the engine started has ended."""
+    import psutil
+
+    from conftest import build_engine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:2]))
+    engine = build_engine(tiny_path, [], [], tensor_parallel_size=2)
+    names = sorted(psutil.Process(pid).name() for pid in engine.processes)
+    assert names == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+    processes = [psutil.Process(pid) for pid in engine.processes]
+    engine.close()
+    assert not [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

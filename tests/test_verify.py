@@ -88,7 +88,7 @@ def copy(store: Path, tmp_path: Path, name: str = "copy.zarr") -> Path:
 def test_store_matches_itself(store, capsys):
     code, out, _ = run_verify(capsys, store, "--against", store)
     assert code == EXIT_MATCH, out
-    assert "comparison: exact (same kernel path: CPU " in out and "OK: all 23 arrays match" in out
+    assert "comparison: exact (same kernel path: CPU " in out and "OK: all 24 arrays match" in out
     assert "provenance differences" not in out
     attrs = attrs_of(store)
     assert set(CPU_KERNEL_KEYS) <= set(attrs["host"]["cpu"]) and attrs["host"]["cpu"]["threads"] >= 1
@@ -99,7 +99,7 @@ def test_store_matches_itself(store, capsys):
 def test_rerun_reproduces_bit_for_bit(rerun, store, capsys):
     proc, new = rerun
     assert proc.returncode == EXIT_MATCH, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "OK: all 23 arrays match" in proc.stdout and "comparison: exact (same kernel path" in proc.stdout
+    assert "OK: all 24 arrays match" in proc.stdout and "comparison: exact (same kernel path" in proc.stdout
     assert "teacher-forced" not in proc.stdout
     attrs = dict(zarr.open_group(str(new), mode="r").attrs)
     assert attrs["status"] == "complete" and "--rerun" in attrs["command"]
@@ -117,7 +117,7 @@ def test_perturbed_value_fails_and_names_the_array_and_index(store, tmp_path, ca
     last[PERTURBED] = last[PERTURBED] + 0.5
     code, out, _ = run_verify(capsys, perturbed, "--against", store)
     assert code == EXIT_MISMATCH, out
-    assert "MISMATCH: 1 of 23 arrays in both stores differ" in out
+    assert "MISMATCH: 1 of 24 arrays in both stores differ" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("last "))
     assert "request=1 ('r00001'), last_hook=1 ('post_block'), last_layer=2 (2), last_slot=0, hidden=17" in row
     assert " 0.5 " in row and "1 of 3072 elements differ" in row
@@ -179,7 +179,7 @@ def test_provenance_differences_are_shown_but_do_not_fail(store, tmp_path, capsy
                  f"package.git_sha: {attrs['package']['git_sha']!r} -> '{'f' * 40}'",
                  "plugin.fingerprint:", "requests_sha256:"):
         assert line in out
-    assert "OK: all 23 arrays match" in out
+    assert "OK: all 24 arrays match" in out
 
 
 @pytest.mark.engine
@@ -195,7 +195,7 @@ def test_rerun_on_other_kernels_is_teacher_forced_and_within_tolerance(other_ker
     tolerated = out.split("within tolerance:")[1].split("OK:")[0].splitlines()
     last = next(line for line in tolerated if line.split()[:1] == ["last"])
     assert "(rtol 0.0001 (CPU float32) x scale)" in last
-    assert "OK: all 23 arrays match (within tolerance)" in out
+    assert "OK: all 24 arrays match (within tolerance)" in out
     assert yaml.safe_load(attrs_of(new)["config_yaml"])["sampling"]["teacher_forcing"] == str(store.resolve())
     assert attrs_of(new)["host"]["cpu"]["env"] == OTHER_KERNELS
     tokens = [xr.open_zarr(str(path), consolidated=False)["tokens"] for path in (new, store)]

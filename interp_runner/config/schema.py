@@ -315,6 +315,21 @@ class EngineConfig(Strict):
 class ModelConfig(Strict):
     name: str
     path: str | None = None  # a local HF folder; otherwise ``name`` is a built-in model
+    # "seeded": no weight files; every tensor drawn from ``seed`` and its name, the same at any tensor-parallel
+    # size (``interp_runner.models.seeded``): a folder with config.json and tokenizer files suffices
+    weights: Literal["files", "seeded"] = "files"
+    seed: Seed = 0
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_needs_seeded(cls, seed: int, info: ValidationInfo) -> int:
+        if info.data.get("weights") != "seeded":
+            raise ValueError("'seed' only applies to weights: seeded")
+        return seed
+
+    def weights_seed(self) -> int | None:
+        """The seed of seeded weights; None for weights read from the folder's files."""
+        return self.seed if self.weights == "seeded" else None
 
 
 class StoreConfig(Strict):
@@ -322,7 +337,7 @@ class StoreConfig(Strict):
     # requests per unit of work, journaled as it finishes (resume); null: at most MAX_UNITS units a stage, each of
     # at least MIN_UNIT requests (a unit ends with a drained batch and an emptied prefix cache)
     unit_requests: int | None = Field(None, ge=1)
-    overwrite: bool = False  # replace an existing store at path (and its figures) once the new one is complete
+    overwrite: bool = False  # replace an existing store at path (and its companions) once the new one is complete
 
 
 class ExperimentMeta(Strict):

@@ -41,6 +41,38 @@ class Headline:
     value: float
 
 
+@dataclass(frozen=True)
+class Propagated:
+    """A float array computed from the arrays ``sources`` by sums, differences and means (an effect = steered -
+    baseline, its mean over prompts): ``interp-verify`` allows it the sum of their allowed differences."""
+
+    sources: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A float array ``numerator / denominator`` (arrays, broadcast by dims): ``interp-verify`` allows each element
+    what its sources' allowed differences make of it, to first order."""
+
+    numerator: str
+    denominator: str
+
+
+@dataclass(frozen=True)
+class ThresholdFlag:
+    """A boolean array ``|source| > threshold`` (``absolute``; else ``source > threshold``), ``threshold`` a root
+    attribute of the store whose values scale as ``threshold_kind`` (see ``Kind.value_kind``): ``interp-verify``
+    accepts a flipped cell only where ``source`` lies within its allowed difference of the threshold in both runs."""
+
+    source: str
+    threshold: str
+    threshold_kind: str = "other"
+    absolute: bool = True
+
+
+VerifyRule = Propagated | Ratio | ThresholdFlag
+
+
 class Kind(Protocol):
     name: str  # recorded in the store's manifest
     section: str | None  # the run config key holding its settings; None for the default kind
@@ -73,6 +105,10 @@ class Kind(Protocol):
     def value_kind(self, name: str) -> str:
         """How the float array ``name`` scales, for ``interp-verify``'s tolerances: "probability",
         "probability difference" or "other"."""
+
+    # arrays derived from other arrays -> how (``Propagated``, ``Ratio``, ``ThresholdFlag``): ``interp-verify`` judges
+    # them with the tolerance of what they derive from; other arrays are judged on their own
+    verify_rules: dict[str, VerifyRule]
 
     def report_sections(self, ds: xr.Dataset, figures: list[Path]) -> list[Section]:
         """The kind's own sections of the run's report."""

@@ -5,7 +5,9 @@ The plan is ``trace_plan``'s (clean, corrupted and restored runs of every fact),
 ``corrupt_prob``, ``total_effect``; the grids ``restored_prob``, ``indirect_effect`` (restored - corrupt),
 ``recovered``, ``restored_logit_diff`` with dims (fact, kind, layer, token); the per-sample scores, subject spans,
 token texts, the noise itself, filtered facts and ``avg_indirect_effect`` (kind, layer, role) over ROME's token
-roles. Figures: a heatmap per fact and kind and the averaged-effect plot (``plots: true``).
+roles; the grids' tokens and ``prompt`` / ``prompt_tokens`` / ``token_text`` are the clean prompt's, and a
+counterfactual trace adds its ``corrupt_prompt`` / ``corrupt_prompt_tokens`` / ``corrupt_token_text`` (``trace_grids``).
+Figures: a heatmap per fact and kind and the averaged-effect plot (``plots: true``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..config.schema import LayerSelector, PositiveFloat32, ResidualHook, Seed, 
 from ..models.facts import ModelFacts
 from ..plan import Plan
 from ..result_arrays import value_kind
-from .base import Headline, Section, Table
+from .base import Headline, Propagated, Ratio, Section, Table, ThresholdFlag
 from .trace_figures import AVERAGE_FIGURE, figure_count, heatmap_name, write_figures
 from .trace_grids import trace_dataset
 from .trace_plan import compile_trace
@@ -55,6 +57,13 @@ VALUE_KINDS = {
     "indirect_effect": "probability difference", "total_effect": "probability difference",
     "avg_indirect_effect": "probability difference",
 }
+VERIFY_RULES = {  # as ``trace_grids`` computes them
+    "indirect_effect": Propagated(("restored_prob", "corrupt_prob")),
+    "total_effect": Propagated(("clean_prob", "corrupt_prob")),
+    "avg_indirect_effect": Propagated(("indirect_effect",)),
+    "recovered": Ratio("indirect_effect", "total_effect"),
+    "above_noise_floor": ThresholdFlag("indirect_effect", "noise_floor", "probability difference"),
+}
 HEADLINE_ROLE = "last subject"
 ITS_FACTS = "its facts are the prompts"
 
@@ -64,6 +73,7 @@ class CausalTraceKind:
     section = "causal_trace"
     settings = CausalTrace
     excludes = {"steering": "", "capture": "", "patching": "", "prompts.items": ITS_FACTS, "prompts.file": ITS_FACTS}
+    verify_rules = VERIFY_RULES
 
     def compile(self, cfg, facts: ModelFacts, tokenizer, base: Path | None, embeddings: Callable) -> Plan:
         return compile_trace(cfg, facts, tokenizer, base, embeddings, self.name)
@@ -84,9 +94,7 @@ class CausalTraceKind:
         lines = [f"noise std {ds.attrs['noise_std']:.4f}, {ds.attrs['noise_samples']} sample(s); "
                  f"noise floor {ds.attrs['noise_floor']:.2e}; filtered facts: {ds.attrs['filtered_facts'] or 'none'}"]
         for f in range(ds.sizes["fact"]):
-            line = (f"[{ds['fact_id'].values[f]}] {str(ds['prompt'].values[f])!r} -> "
-                    f"{str(ds['answer'].values[f])!r}: p clean {float(ds['clean_prob'][f]):.3f}, "
-                    f"corrupt {float(ds['corrupt_prob'][f]):.3f}")
+            line = f"[{ds['fact_id'].values[f]}] {_prompts(ds, f)}"
             if bool(ds["filtered"][f]):
                 lines.append(line + "  (filtered: the clean run does not predict the answer)")
                 continue
@@ -103,14 +111,17 @@ class CausalTraceKind:
     def report_sections(self, ds: xr.Dataset, figures: list[Path]) -> list[Section]:
         by_name = {Path(p).name: Path(p) for p in figures}
         kinds = [str(k) for k in ds["kind"].values]
-        columns = ("fact", "prompt", "answer", "p clean", "p corrupt", "filtered") \
+        counterfactual = "corrupt_prompt" in ds
+        columns = ("fact", *(("clean prompt", "corrupt prompt") if counterfactual else ("prompt",)), "answer",
+                   "p clean", "p corrupt", "filtered") \
             + tuple(f"peak {k}" for k in kinds) + tuple(f"peak {k} at the subject" for k in kinds)
         rows, per_fact = [], []
         for f in range(ds.sizes["fact"]):
             fact_id = str(ds["fact_id"].values[f])
             filtered = bool(ds["filtered"][f])
             peaks = {} if filtered else _peaks(ds, f)
-            rows.append((fact_id, str(ds["prompt"].values[f]), str(ds["answer"].values[f]),
+            prompts = [str(ds["prompt"].values[f])] + ([str(ds["corrupt_prompt"].values[f])] if counterfactual else [])
+            rows.append((fact_id, *prompts, str(ds["answer"].values[f]),
                          float(ds["clean_prob"][f]), float(ds["corrupt_prob"][f]), filtered)
                         + tuple(peaks[k][0] if peaks else "" for k in kinds)
                         + tuple(peaks[k][1] if peaks else "" for k in kinds))
@@ -119,11 +130,13 @@ class CausalTraceKind:
             table = Table("peak indirect effects", ("kind", "largest", "at the subject tokens"),
                           tuple((k, *peaks[k]) for k in kinds))
             heatmaps = tuple(by_name[n] for n in (heatmap_name(fact_id, k) for k in kinds) if n in by_name)
-            per_fact.append(Section(f"Fact {fact_id}", f"{str(ds['prompt'].values[f])!r} -> "
-                                                       f"{str(ds['answer'].values[f])!r}", (table,), heatmaps))
+            per_fact.append(Section(f"Fact {fact_id}", _prompts(ds, f), (table,), heatmaps))
         text = (f"Noise std {ds.attrs['noise_std']:.4f} ({ds.attrs['noise_samples']} sample(s), corruption "
                 f"{ds.attrs['corruption']}), noise floor {ds.attrs['noise_floor']:.2e}; filtered facts: "
                 f"{', '.join(ds.attrs['filtered_facts']) or 'none'}.")
+        if counterfactual:
+            text += (" Grids and peaks are by the clean prompt's tokens: restoring a clean token's states at its "
+                     "aligned position in the corrupt prompt.")
         average = (by_name[AVERAGE_FIGURE],) if AVERAGE_FIGURE in by_name else ()
         return [Section("Causal trace", text, (Table("facts", columns, tuple(rows)),), average), *per_fact]
 
@@ -135,6 +148,16 @@ class CausalTraceKind:
             return None
         return Headline(f"mean indirect effect of restoring resid at the {HEADLINE_ROLE} token (over facts and "
                         "layers)", float(np.nanmean(effect)))
+
+
+def _prompts(ds: xr.Dataset, f: int) -> str:
+    """Fact ``f``'s prompts, answer and probabilities, each prompt named (clean, corrupt) in a counterfactual trace."""
+    clean, answer = str(ds["prompt"].values[f]), str(ds["answer"].values[f])
+    p_clean, p_corrupt = float(ds["clean_prob"][f]), float(ds["corrupt_prob"][f])
+    if "corrupt_prompt" not in ds:
+        return f"{clean!r} -> {answer!r}: p clean {p_clean:.3f}, corrupt {p_corrupt:.3f}"
+    return (f"clean {clean!r} -> {answer!r}: p {p_clean:.3f}; corrupt {str(ds['corrupt_prompt'].values[f])!r} -> "
+            f"{answer!r}: p {p_corrupt:.3f}")
 
 
 def _peak(ds: xr.Dataset, f: int, kind: str, grid: np.ndarray, first_token: int) -> str:

@@ -20,6 +20,11 @@ the patched copies and in-batch baselines (``role``, ``prompt_index``, ``patch``
 = (patched - corrupt) / (clean - corrupt) on answer probabilities, ``below_noise_floor``, and attributes
 ``noise_floor`` (largest |in-batch - solo| probability of an unpatched destination), ``skipped_positions`` and
 ``voided``.
+
+``nonfinite`` (request, bool): the request was computed through a non-finite value (its residual stream overflowed
+the final norm's float32 sum of squares, or its scored logits were not finite: ``interp_runner.result_flags``); its
+``status`` is "nonfinite" and every number computed from it (``logprob``, ``top_logprob``, scores, captures, and
+``recovered`` of a patched request that depends on it) is NaN.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class PromptsKind:
     section = None  # its keys are the run config's own
     settings = None
     excludes: dict[str, str] = {}
+    verify_rules: dict = {}  # its arrays are judged on their own
 
     def compile(self, cfg: RunBase, facts: ModelFacts, tokenize: Callable[[str], Sequence[int]],
                 base: Path | None = None, embeddings: Callable | None = None) -> Plan:
@@ -93,20 +99,26 @@ class PromptsKind:
         pairs = [(r, results.get(r.rid)) for r in plan.requests]
         ran = [res for _, res in pairs]
         prompts = [r.prompt for r in plan.requests]
-        status = ["skipped" if res is None else "void" if res.void else "done" for res in ran]
+        status = ["skipped" if res is None else "void" if res.void else "nonfinite" if res.nonfinite else "done"
+                  for res in ran]
+        # a request computed through a non-finite value has no numbers: NaN in their place
+        numbers = [res if res is not None and not res.nonfinite else None for res in ran]
         data_vars = {
             "prompt_tokens": (("request", "prompt_position"), padded([p.token_ids for p in prompts], -1, np.int32)),
             "prompt_len": ("request", np.array([len(p.token_ids) for p in prompts], dtype=np.int32)),
             "tokens": (("request", "generated"), padded([res.token_ids if res else [] for res in ran], -1, np.int32)),
             "num_generated": ("request", np.array([len(res.token_ids) if res else 0 for res in ran], dtype=np.int32)),
-            "logprob": (("request", "generated"), padded([res.logprobs if res else [] for res in ran], np.nan,
+            "logprob": (("request", "generated"), padded([res.logprobs if res else [] for res in numbers], np.nan,
                                                          np.float32)),
+            "nonfinite": ("request", np.array([bool(res and res.nonfinite) for res in ran]),
+                          {"description": "computed through a non-finite value: its numbers are NaN"}),
             "text": ("request", strings([res.text if res else "" for res in ran])),
             "status": ("request", strings(status)),
         }
         k = plan.requests[0].sampling.get("logprobs") or 0
         if k:
             steps = [res.top_logprobs if res and res.top_logprobs else [] for res in ran]
+            flagged = [res is not None and res.nonfinite for res in ran]
             width = max((len(x) for x in steps), default=0)
             top_ids = np.full((len(ran), max(width, 1), k), -1, dtype=np.int32)
             top_lps = np.full(top_ids.shape, np.nan, dtype=np.float32)
@@ -115,6 +127,7 @@ class PromptsKind:
                     top_ids[i, j, : len(step[:k])] = [t for t, _ in step[:k]]
                     top_lps[i, j, : len(step[:k])] = [lp for _, lp in step[:k]]
             data_vars["top_token_ids"] = (("request", "generated", "top_k"), top_ids)
+            top_lps[flagged] = np.nan
             data_vars["top_logprob"] = (("request", "generated", "top_k"), top_lps)
         attrs = {}
         if any(p.answer_ids for p in prompts):

@@ -8,10 +8,17 @@ one-token completions, read at the completion). ``Plan.derive_vectors`` turns th
 token with the evaluated method's vector at (hook, layer) x scale, and unsteered beside them, scoring the answer
 against the foil (exact log-probabilities of one token each).
 
-Store: ``vector`` (method, vector_hook, vector_layer, hidden), NaN where a method found no direction, and
-``pairs_aligned`` (the fraction of pairs whose positive projects above its negative); the evaluation's
-``steered_logit_diff`` and ``effect`` (steered - unsteered) (prompt, layer, scale), ``baseline_logit_diff``
-(prompt) and ``mean_effect`` (layer, scale), all logit differences answer - foil.
+Store: ``vector`` (method, vector_hook, vector_layer, hidden), NaN where ``degenerate`` (same dims, bool: the
+pairs define no direction there, ``interp_runner.vector_methods``; such vectors are never exported or read as a
+``{store: ...}`` vector), ``activation_norm`` (vector_hook, vector_layer; the scale degeneracy is judged against),
+``pair_projection`` (method, vector_hook, vector_layer, pair: each pair's positive - negative on the vector's unit
+direction) and ``pairs_aligned`` (the fraction of those above zero; the summary warns below ``WEAK_AGREEMENT``);
+the evaluation's ``steered_logit_diff`` and ``effect`` (steered - unsteered) (prompt, layer, scale),
+``baseline_logit_diff`` (prompt) and ``mean_effect`` (layer, scale), all logit differences answer - foil, NaN at
+a layer whose evaluated vector is degenerate. ``nonfinite`` (prompt, layer, scale) and ``baseline_nonfinite``
+(prompt), bool: the request was computed through a non-finite value (``interp_runner.result_flags``); its logit
+difference is NaN, not a number, and so is every effect and ``mean_effect`` that depends on it (a mean over prompts
+with a flagged cell is NaN, never a mean over the others).
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ from ..plan import Plan
 from ..prompt_set import answer_token, check_length, check_vocabulary
 from ..request_build import Prompt, engine_spec_of, make_request, mark_private_kv, requests_hash
 from ..result_arrays import strings
+from ..result_flags import FLOAT32_MAX, overflow_reason, squares
 from ..selectors import parse_layers
 from ..sites import site_id
-from ..vector_methods import DegenerateDirection, derive
-from .base import Headline, Section, Table
+from ..vector_methods import DEGENERATE_BELOW, DegenerateDirection, activation_scale, derive, pair_projections
+from .base import Headline, Propagated, Section, Table
+from .vector_warnings import WEAK_AGREEMENT, vector_warnings
 
 SECTION = "steering_vectors"
 Method = Literal["mean_diff", "pca"]
@@ -120,11 +129,11 @@ class VectorLayout:
         """The stage-1 steering vectors by key, from the stage-0 results by request id."""
         out = {}
         for layer, key in self.keys.items():
+            pos, neg = self.stacks(results, self.eval_hook, layer)
             try:
-                out[key] = derive(self.eval_method, *self.stacks(results, self.eval_hook, layer))
-            except DegenerateDirection as err:
-                raise DegenerateDirection(f"{SECTION}.eval.method: {self.eval_method} at {self.eval_hook} layer "
-                                          f"{layer}: {err}") from None
+                out[key] = derive(self.eval_method, pos, neg)
+            except DegenerateDirection:  # no direction: its cells steer by nothing and are NaN in the store
+                out[key] = np.zeros(pos.shape[-1], dtype=np.float32)
             with np.errstate(over="ignore"):
                 if not np.isfinite(out[key] * np.float32(max(map(abs, self.scales)))).all():
                     raise ValueError(f"{SECTION}.eval.scales: {max(map(abs, self.scales))} times the "
@@ -169,6 +178,9 @@ def load_pairs(cfg, tokenizer, base: Path | None) -> tuple[list[tuple[Prompt, Pr
                 ids = tuple(int(t) for t in tokenizer(text))
             if not ids:
                 raise ConfigError.at(key, f"{text!r} tokenizes to nothing")
+            if side == 1 and ids == texts[0].token_ids:
+                raise ConfigError.at(key, "is the same tokens as its positive: the pair has no difference to "
+                                          "derive a direction from")
             texts.append(Prompt(index=2 * i + side, id=pair_rid(i, side), text=text, token_ids=ids))
         pairs.append(tuple(texts))
     return pairs, completions
@@ -215,6 +227,10 @@ def compile_vectors(cfg, facts, tokenizer, base: Path | None) -> Plan:
         if layer not in layers:
             at = where if isinstance(sv.eval.layers, (int, str)) else f"{where}[{n}]"
             raise ConfigError.at(at, f"layer {layer} has no vector: {SECTION}.layers selects {layers}")
+    for k, scale in enumerate(sv.eval.scales):  # vectors come from the run: the scale alone is known here
+        if squares(scale) > FLOAT32_MAX:
+            raise ConfigError.at(f"{SECTION}.eval.scales[{k}]", f"{scale} times a unit vector (pca's): "
+                                                                f"{overflow_reason(squares(scale))}")
     pairs, completions = load_pairs(cfg, tokenizer, base)
     if "pca" in sv.methods and len(pairs) < 2:
         raise ConfigError.at(f"{SECTION}.methods", f"pca needs at least 2 pairs ({SECTION}.pairs holds 1)")
@@ -253,7 +269,7 @@ def compile_vectors(cfg, facts, tokenizer, base: Path | None) -> Plan:
 
 
 def _logit_diff(result) -> float:
-    if result is None or result.score is None:
+    if result is None or result.score is None or result.nonfinite:
         return np.nan
     answer, foil = result.score["logprobs"][:2]
     return float(answer) - float(foil)
@@ -263,30 +279,47 @@ def vectors_dataset(plan: Plan, results: dict, hidden: int) -> xr.Dataset:
     layout: VectorLayout = plan.layout
     shape = (len(layout.methods), len(layout.hooks), len(layout.layers))
     vector = np.full(shape + (hidden,), np.nan, dtype=np.float32)
-    aligned = np.full(shape, np.nan, dtype=np.float32)
+    degenerate = np.zeros(shape, dtype=bool)
+    projection = np.full(shape + (len(layout.pairs),), np.nan, dtype=np.float32)
+    scale = np.zeros(shape[1:], dtype=np.float32)
     for h, hook in enumerate(layout.hooks):
         for l, layer in enumerate(layout.layers):
             pos, neg = layout.stacks(results, hook, layer)
-            diffs = pos.astype(np.float64) - neg
+            scale[h, l] = activation_scale(pos, neg)
             for m, method in enumerate(layout.methods):
                 try:
                     vector[m, h, l] = derive(method, pos, neg)
                 except DegenerateDirection:
-                    continue  # stays NaN: no direction
-                aligned[m, h, l] = np.mean(diffs @ vector[m, h, l].astype(np.float64) > 0)
+                    degenerate[m, h, l] = True  # stays NaN: no direction
+                    continue
+                projection[m, h, l] = pair_projections(pos, neg, vector[m, h, l])
+    with np.errstate(invalid="ignore"):
+        aligned = np.where(degenerate, np.nan, (projection > 0).mean(axis=-1)).astype(np.float32)
     heldout, scales = layout.heldout, layout.scales
     baseline = np.array([_logit_diff(results.get(eval_rid(p.index))) for p in heldout])
     steered = np.array([[[_logit_diff(results.get(eval_rid(p.index, layer, k))) for k in range(len(scales))]
                          for layer in layout.eval_layers] for p in heldout])
+    m, h = layout.methods.index(layout.eval_method), layout.hooks.index(layout.eval_hook)
+    no_vector = [degenerate[m, h, layout.layers.index(layer)] for layer in layout.eval_layers]
+    steered[:, no_vector] = np.nan  # steered by no direction: no result
     effect = steered - baseline[:, None, None]
+    flagged = np.array([[[getattr(results.get(eval_rid(p.index, layer, k)), "nonfinite", False)
+                          for k in range(len(scales))] for layer in layout.eval_layers] for p in heldout], dtype=bool)
+    baseline_flagged = np.array([getattr(results.get(eval_rid(p.index)), "nonfinite", False) for p in heldout],
+                                dtype=bool)
     pair_dim = ("pair",)
     data_vars = {
         "vector": (("method", "vector_hook", "vector_layer", "hidden"), vector),
+        "degenerate": (("method", "vector_hook", "vector_layer"), degenerate),
+        "activation_norm": (("vector_hook", "vector_layer"), scale),
+        "pair_projection": (("method", "vector_hook", "vector_layer", "pair"), projection),
         "pairs_aligned": (("method", "vector_hook", "vector_layer"), aligned),
         "steered_logit_diff": (("prompt", "layer", "scale"), steered.astype(np.float32)),
         "baseline_logit_diff": (("prompt",), baseline.astype(np.float32)),
         "effect": (("prompt", "layer", "scale"), effect.astype(np.float32)),
         "mean_effect": (("layer", "scale"), effect.mean(axis=0).astype(np.float32)),
+        "nonfinite": (("prompt", "layer", "scale"), flagged.reshape(steered.shape)),
+        "baseline_nonfinite": (("prompt",), baseline_flagged.reshape(baseline.shape)),
     }
     coords = {
         "method": ("method", strings(layout.methods)),
@@ -302,7 +335,8 @@ def vectors_dataset(plan: Plan, results: dict, hidden: int) -> xr.Dataset:
         "scale": ("scale", np.asarray(scales, dtype=np.float32)),
     }
     attrs = {"pair_form": "completions" if layout.completions else "texts", "eval_method": layout.eval_method,
-             "eval_hook": layout.eval_hook, "metric": "logit difference (answer - foil) after the prompt"}
+             "eval_hook": layout.eval_hook, "metric": "logit difference (answer - foil) after the prompt",
+             "degenerate_below": DEGENERATE_BELOW, "weak_agreement_below": WEAK_AGREEMENT}
     return xr.Dataset(data_vars, coords=coords, attrs=attrs)
 
 
@@ -359,6 +393,9 @@ class SteeringVectorsKind:
     settings = SteeringVectors
     excludes = {"steering": "", "capture": "", "patching": "", "vectors": "", "prompts.items": ITS_PROMPTS,
                 "prompts.file": ITS_PROMPTS}
+    # as ``vectors_dataset`` computes them: effect = steered - baseline, mean_effect its mean over prompts
+    verify_rules = {"effect": Propagated(("steered_logit_diff", "baseline_logit_diff")),
+                    "mean_effect": Propagated(("effect",))}
 
     def compile(self, cfg, facts, tokenizer, base: Path | None, embeddings) -> Plan:
         return compile_vectors(cfg, facts, tokenizer, base)
@@ -390,8 +427,10 @@ class SteeringVectorsKind:
         method, hook = ds.attrs["eval_method"], ds.attrs["eval_hook"]
         norms = np.linalg.norm(ds["vector"].sel({"method": method, "vector_hook": hook}).values, axis=-1)
         aligned = ds["pairs_aligned"].sel({"method": method, "vector_hook": hook}).values
-        lines.append(f"{method} at {hook}: norm {np.nanmin(norms):.3g} to {np.nanmax(norms):.3g}; pairs whose "
-                     f"positive projects higher: {np.nanmin(aligned):.0%} to {np.nanmax(aligned):.0%}")
+        if np.isfinite(norms).any():
+            lines.append(f"{method} at {hook}: norm {np.nanmin(norms):.3g} to {np.nanmax(norms):.3g}; pairs whose "
+                         f"positive projects higher: {np.nanmin(aligned):.0%} to {np.nanmax(aligned):.0%}")
+        lines += vector_warnings(ds)
         layer, slope = best_layer(ds)
         baseline = float(ds["baseline_logit_diff"].mean())
         lines.append(f"held-out ({ds.sizes['prompt']} prompts): unsteered mean logit diff {baseline:+.3f}; best mean "
@@ -412,16 +451,23 @@ class SteeringVectorsKind:
                       round(float(per_layer[i]), 4)) for i, layer in enumerate(ds["layer"].values))
         table = Table("Mean change of the logit difference (answer - foil) on the held-out prompts",
                       ("layer", *(f"scale {s:g}" for s in scales), "per unit scale"), rows)
+        def agreement(m, h) -> tuple:
+            at = {"method": m, "vector_hook": h}
+            flags = ds["degenerate"].sel(at).values if "degenerate" in ds else [False] * ds.sizes["vector_layer"]
+            return tuple("degenerate" if bad else round(float(v), 3)
+                         for v, bad in zip(ds["pairs_aligned"].sel(at).values, flags))
+
         vectors = Table("Vectors: fraction of pairs whose positive projects above its negative",
                         ("method", "hook", *(f"L{int(x)}" for x in ds["vector_layer"].values)),
-                        tuple((str(m), str(h), *(round(float(v), 3) for v in
-                                                 ds["pairs_aligned"].sel({"method": m, "vector_hook": h}).values))
+                        tuple((str(m), str(h), *agreement(m, h))
                               for m in ds["method"].values for h in ds["vector_hook"].values))
-        text = (f"Vectors from {ds.sizes['pair']} contrastive pairs. Each of {ds.sizes['prompt']} held-out prompts "
+        text = (f"Vectors from {ds.sizes['pair']} contrastive pairs (pca signed to agree with the mean difference). "
+                f"Each of {ds.sizes['prompt']} held-out prompts "
                 f"runs steered on every token with scale x the {ds.attrs['eval_method']} vector at "
                 f"{ds.attrs['eval_hook']} of one layer, and unsteered; the effect is the change of its logit "
                 "difference (answer - foil). Per unit scale: the least-squares slope through the origin of the mean "
                 "effect against the scale.")
+        text = "\n\n".join([text, *vector_warnings(ds)])
         shown = tuple(Path(f) for f in figures if Path(f).name == EFFECT_FIGURE)
         return [Section("Steering vectors", text, (table, vectors), shown)]
 

@@ -54,6 +54,13 @@ def _token_label(text: str) -> str:
     return text.replace("\n", "\\n").replace("\t", "\\t") or "␣"
 
 
+def token_axis_label(ds: xr.Dataset) -> str:
+    """Whose tokens a heatmap's rows are: the clean prompt's (``trace_grids``)."""
+    if ds.attrs.get("corruption") == "counterfactual":
+        return "clean prompt's tokens (* subject), restored at the corrupt prompt's aligned positions"
+    return "prompt's tokens (* subject, noised in the corrupted runs)"
+
+
 def trace_heatmap(ds: xr.Dataset, fact: int, kind: str, path) -> Path:
     """Restored probability per (token, layer) for one fact and one kind."""
     plt = _pyplot()
@@ -69,6 +76,7 @@ def trace_heatmap(ds: xr.Dataset, fact: int, kind: str, path) -> Path:
     ax.invert_yaxis()
     ax.set_yticks([i + 0.5 for i in range(n)])
     ax.set_yticklabels(labels, fontsize=8)
+    ax.set_ylabel(token_axis_label(ds), fontsize=8)
     _layer_ticks(ax, ds["layer"].values)
     ax.tick_params(axis="x", labelsize=8)
     if kind == "resid":

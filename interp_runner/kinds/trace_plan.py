@@ -64,6 +64,13 @@ class TraceFact:
         of another length, else the clean subject's."""
         return self.skipped or self.subject_positions
 
+    @property
+    def restored(self) -> dict[int, int]:
+        """Corrupt-prompt position -> the clean-prompt position whose states a cell restores there (identity for
+        prompts of one length; else the common prefix by identity and the common suffix by the length
+        difference, ``patching.align``)."""
+        return dict(align(self.clean.token_ids, self.corrupt.token_ids, range(len(self.corrupt.token_ids)))[0])
+
 
 @dataclass(frozen=True)
 class TraceLayout:
@@ -198,7 +205,7 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
         f = fact.index
         condition = clean_rid(f) if trace.filter else None
         run = run_digest(fact.clean, [])
-        mapped = dict(align(fact.clean.token_ids, fact.corrupt.token_ids, range(len(fact.corrupt.token_ids)))[0])
+        mapped = fact.restored
         keep = {"run": run, "groups": keep_groups({site: set(mapped.values()) for site in restored_sites})}
         requests.append(make_request(clean_rid(f), fact.clean, s, keep=keep, max_tokens=1,
                                      meta={"fact": f, "part": "clean"}))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import seeded
 from .architectures import DECODER_LAYERS
 
 # config.json keys vLLM reads a model's longest sequence from (the smallest of those present counts)
@@ -39,14 +40,15 @@ class ModelFacts:
     max_model_len_key: str = ""  # where that comes from
 
     @classmethod
-    def from_folder(cls, folder: Path) -> ModelFacts:
+    def from_folder(cls, folder: Path, weights_seed: int | None = None) -> ModelFacts:
+        """With ``weights_seed``, the weights are seeded ones (``seeded``), not the folder's files."""
         config = read_json(folder / "config.json")
         architecture = (config.get("architectures") or ["<none>"])[0]
         if architecture not in DECODER_LAYERS:
             raise UnsupportedModel(
                 f"unsupported architecture {architecture}; supported: {', '.join(DECODER_LAYERS)}"
             )
-        if not any(folder.glob("*.safetensors")):
+        if weights_seed is None and not any(folder.glob("*.safetensors")):
             raise UnsupportedModel(f"{folder} holds no .safetensors weights")
         text = config.get("text_config", config)
 
@@ -66,7 +68,7 @@ class ModelFacts:
             num_layers=count("num_hidden_layers"),
             hidden_size=hidden_size,
             vocab_size=count("vocab_size"),
-            weights_sha256=weights_sha256(folder),
+            weights_sha256=weights_sha256(folder) if weights_seed is None else seeded.weights_id(weights_seed),
             num_heads=num_heads,
             num_kv_heads=count("num_key_value_heads", num_heads),
             head_dim=count("head_dim") if text.get("head_dim") is not None else hidden_size // num_heads,

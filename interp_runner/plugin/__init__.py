@@ -15,9 +15,10 @@ def register() -> None:
     global _registered
     if _registered or os.environ.get(ENABLE_ENV) != "1":
         return
-    from . import layers, ops, prefix_cache, runner_patches
+    from . import layers, ops, prefix_cache, runner_patches, seeded_loader
 
     ops.register_ops()
+    seeded_loader.register()
     layers.instrument_decoder_layers()
     runner_patches.instrument_model_runner()
     runner_patches.instrument_cpu_warm_up()

@@ -4,13 +4,15 @@ vLLM's block returns ``(hidden, residual)`` and defers the add into the next fus
 stream at a site is ``hidden + residual``. Steering the stream adds to ``residual``; capturing it adds the halves
 on the copied rows only; patching it (``interp::site_pair``) replaces both halves of the patched rows. Sites
 without an op cost nothing: which sites carry one is fixed when the engine is built (``additional_config``), so
-compiled graphs see plain, static code.
+compiled graphs see plain, static code. After the last layer, the stream the model's final norm reads is checked
+for non-finite values (``nonfinite``).
 """
 
 from __future__ import annotations
 
 import importlib
 
+import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 
@@ -19,7 +21,7 @@ from interp_runner.payload import ENGINE_KEY
 from interp_runner.sites import HOOKS, site_id
 
 from . import runtime
-from .ops import apply_pair, apply_site
+from .ops import apply_pair, apply_site, flag_rows
 
 
 def instrumented_forward(self, positions, hidden_states, residual, **kwargs):
@@ -58,6 +60,13 @@ def instrumented_forward(self, positions, hidden_states, residual, **kwargs):
     hidden_states = self.mlp(hidden_states)
     hidden_states, _ = at("mlp_out", hidden_states, None)
     residual, hidden_states = at("post_block", residual, hidden_states)
+    if self._interp_last:
+        # rows the final norm cannot normalize: the float32 sum of squares of the stream it reads is not finite
+        bad = ~torch.isfinite((hidden_states + residual).float().square().sum(-1))
+        if direct is not None:
+            state.flag_rows(bad)
+        else:
+            flag_rows(bad)
     return hidden_states, residual
 
 
@@ -81,6 +90,8 @@ def _instrumented_init(original_init):
         }
         self._interp_pair_sites = frozenset(s for s in self._interp_sites.values() if s in state.patch_index)
         self._interp_state = state
+        # the last layer's output is what the model's final norm reads
+        self._interp_last = layer == get_current_vllm_config().model_config.hf_text_config.num_hidden_layers - 1
         state.instrumented_layers.add(layer)
 
     return __init__

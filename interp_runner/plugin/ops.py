@@ -5,12 +5,15 @@ step patches that site, and, on steps that capture, copies the selected rows of 
 other half of the residual stream that vLLM keeps apart) out before any later op can change them in place.
 ``interp::site_pair(x, extra, site)`` does the same at residual-stream sites that patch, returning both halves,
 since a patched row must own the whole stream.
+``interp::flag_rows(bad)`` marks the requests of the rows where ``bad`` holds as computed through a non-finite
+value (``nonfinite``); it returns nothing and is kept in compiled graphs as a side effect.
 
 The ops act on the state of the engine that runs (``activate``: set by the model runner's patch each step, and
 while an engine's model is built).
 """
 
 import torch
+import torch.fx
 
 from typing import Optional
 
@@ -37,6 +40,10 @@ def _site_pair_impl(x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[to
     return active_state().apply_pair(x, extra, site)
 
 
+def _flag_rows_impl(bad: torch.Tensor) -> None:
+    active_state().flag_rows(bad)
+
+
 def register_ops() -> None:
     global _ops_registered
     if _ops_registered:
@@ -45,11 +52,19 @@ def register_ops() -> None:
     op.register_fake(lambda x, extra, site: torch.empty_like(x))
     pair = torch.library.custom_op("interp::site_pair", mutates_args=())(_site_pair_impl)
     pair.register_fake(lambda x, extra, site: (torch.empty_like(x), torch.empty_like(extra)))
+    flag = torch.library.custom_op("interp::flag_rows", mutates_args=())(_flag_rows_impl)
+    flag.register_fake(lambda bad: None)
+    # no output and no mutated argument: without this, dead-code elimination would drop the call
+    torch.fx.node.has_side_effect(torch.ops.interp.flag_rows.default)
     _ops_registered = True
 
 
 def apply_site(x: torch.Tensor, extra: torch.Tensor | None, site: int) -> torch.Tensor:
     return torch.ops.interp.site(x, extra, site)
+
+
+def flag_rows(bad: torch.Tensor) -> None:
+    torch.ops.interp.flag_rows(bad)
 
 
 def apply_pair(x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:

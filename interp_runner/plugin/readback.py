@@ -45,6 +45,7 @@ class HeldScores(NamedTuple):
     chosen: torch.Tensor  # [request, token] log-probabilities of the scored token ids
     top_logprob: torch.Tensor
     top_id: torch.Tensor
+    finite: torch.Tensor  # [request] whether its row of logits is all finite
     scored: Scored
 
 
@@ -107,7 +108,8 @@ class Readback:
         for j, tokens in enumerate(scored.token_ids):
             ids[j, : len(tokens)] = tokens
         chosen = logprobs.gather(1, self._staging.upload(ids))
-        self._hold(HeldScores(chosen.clone(), top_lp.clone(), top_id.clone(), scored))
+        finite = torch.isfinite(logits).all(dim=-1)
+        self._hold(HeldScores(chosen.clone(), top_lp.clone(), top_id.clone(), finite, scored))
 
     def hold_captures(self, values: torch.Tensor, meta: CaptureMeta) -> None:
         """Keep a step's captured rows (a copy: the buffer they come from is rewritten next step)."""
@@ -116,7 +118,7 @@ class Readback:
     def _hold(self, held: HeldScores | HeldCaptures) -> None:
         """Hold a step's results on the device; read them back once enough have gathered."""
         self._held.append(held)
-        tensors = held[:3] if type(held) is HeldScores else held[:1]
+        tensors = held[:4] if type(held) is HeldScores else held[:1]
         self._held_bytes += sum(t.numel() * t.element_size() for t in tensors)
         if self._held_bytes > PENDING_BYTES:
             self.read_back()
@@ -125,16 +127,17 @@ class Readback:
         held, self._held, self._held_bytes = self._held, [], 0
         for item in held:
             if type(item) is HeldScores:
-                chosen, top_lp, top_id = (t.cpu().numpy() for t in item[:3])
+                chosen, top_lp, top_id, finite = (t.cpu().numpy() for t in item[:4])
                 chosen = chosen.astype(np.float32, copy=False)
                 rids, token_ids = item.scored
                 as_int32: dict[int, np.ndarray] = {}  # cells of one fact share their token ids
-                for j, (rid, tokens, lp, top) in enumerate(zip(rids, token_ids, top_lp.tolist(), top_id.tolist())):
+                for j, (rid, tokens, lp, top, ok) in enumerate(zip(rids, token_ids, top_lp.tolist(), top_id.tolist(),
+                                                                    finite.tolist())):
                     ids = as_int32.get(id(tokens))
                     if ids is None:
                         ids = as_int32[id(tokens)] = tokens.astype(np.int32)
                     self.scores[rid] = {"token_ids": ids, "logprobs": chosen[j, : len(ids)], "top_id": top,
-                                        "top_logprob": lp}
+                                        "top_logprob": lp, "nonfinite": not ok}
             else:
                 values = item.values.float().cpu().numpy()
                 for site, rid, chosen, offset in zip(*item.meta):

@@ -95,3 +95,5 @@ class RequestPlan:
     kv_keep: str | None = None  # the run whose prompt KV it writes (``kept_kv``)
     kv_runs: tuple[str, ...] = ()  # the runs whose kept KV its cells reuse
     keep: list[KeptGroup] = field(default_factory=list)
+    flag_slot: int = 0  # its slot of the non-finite flags (``nonfinite``; 0: none held)
+    cell_flag_slots: np.ndarray | None = None  # a packed request's: one per cell

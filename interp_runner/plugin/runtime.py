@@ -12,6 +12,7 @@ a step:
 - ``capture.CaptureBuffer``: the rows each capture site copies out, for the host or into the bank;
 - ``readback.Readback``: scores and captured rows held on the device, read back in bulk; per-request results;
 - ``sequences.PackedSequences``: packed cells' attention sequences, and the rows of a step that skips layers;
+- ``nonfinite.ResultFlags``: each row's request, and the requests computed through a non-finite value;
 - ``checksum.RankChecksum``: what this rank applied, folded by every component (the runner compares ranks);
 - ``staging.PinnedRing``: host arrays to the device without a wait.
 
@@ -35,6 +36,7 @@ from .bank import PatchBank
 from .capture import CaptureBuffer, capture_groups
 from .checksum import RankChecksum
 from .kept_kv import KeptKV
+from .nonfinite import ResultFlags
 from .ops import activate, active_state
 from .patches import PatchRows
 from .readback import Readback
@@ -104,6 +106,7 @@ class InterpState:
         self.patches = PatchRows(tuple(spec.get("patch_sites", ())), self.patch_bank.values, device, max_rows,
                                  staging, fold)
         self.readback = Readback(self.is_result_rank, staging)
+        self.result_flags = ResultFlags(max_rows, device, staging, self.is_result_rank)
         self.capture = CaptureBuffer(tuple(spec["capture_sites"]), hidden_size, dtype, device, max_rows,
                                      self.patch_bank, self.readback, staging, fold)
         self.kept_kv = KeptKV.for_engine(vllm_config, spec, staging, fold)
@@ -121,6 +124,7 @@ class InterpState:
         self._patch = self.patches.patch
         self._patch_pair = self.patches.patch_pair
         self._capture = self.capture.capture
+        self.flag_rows = self.result_flags.flag_rows
 
     # -- the op -------------------------------------------------------------------------------------
     def apply_site(self, x: torch.Tensor, extra: torch.Tensor | None, site: int) -> torch.Tensor:
@@ -193,6 +197,7 @@ class InterpState:
                 voided.pop(plan.rid, None)
                 for rid in plan.cells.rids:
                     voided[rid] = plan.void
+        self.result_flags.acquire(plan)
         return plan
 
     def _admit_patch(self, plan: RequestPlan, patch: dict) -> None:
@@ -235,6 +240,7 @@ class InterpState:
 
     def _release(self, plan: RequestPlan | None) -> None:
         if plan is not None:
+            self.result_flags.release(plan)
             self.patch_bank.finish(plan.bank_keys, plan.streams)
             self.kept_kv.finish(plan.kv_runs)
             if plan.kv_keep is not None:
@@ -277,9 +283,11 @@ class InterpState:
             self._steady = steady
             return False
         plans = self._plans(view, batch)
+        self.result_flags.flush()  # released slots' flags copied out and zeroed before their next owner's rows
         readback = self.readback
         readback.score_rows = []
         if not any(plans):
+            self.result_flags.clear()
             self.steering.clear()
             self.patches.plan((), None, None, None)
             captures = self.capture.plan((), None, None, None)
@@ -297,6 +305,7 @@ class InterpState:
             self.kept_kv.plan_out(view, plans, starts, computed)
         num_tokens = int(starts[n])
         self.steering.plan(plans, starts, computed, num_rows, num_tokens, row_of)
+        self.result_flags.plan(plans, starts, computed, num_rows, num_tokens, row_of)
         captures = self.capture.plan(plans, starts, computed, row_of)
         if num_tokens == n and self._repeats_next_step(plans, computed, captures):
             self._steady = SteadyStep(tuple(req_ids), num_rows, self.steering.held_slots(n), True)
@@ -334,9 +343,16 @@ class InterpState:
         return self.rank_checksum.as_dict()
 
     def collect(self, rids: list[str]) -> dict[str, dict]:
-        """Per finished request: ``captures`` (site -> (positions, values); later rows win), ``score`` and
-        ``void`` (why its patches could not be applied)."""
-        return self.readback.collect(rids)
+        """Per finished request: ``captures`` (site -> (positions, values); later rows win), ``score``, ``void``
+        (why its patches could not be applied) and ``nonfinite`` (computed through a non-finite value: its final
+        norm's input, or a row of logits it was scored from)."""
+        out = self.readback.collect(rids)
+        flagged = self.result_flags.collect(rids)
+        for rid, result in out.items():
+            score = result["score"]
+            bad_logits = score.pop("nonfinite", False) if score is not None else False
+            result["nonfinite"] = flagged[rid] or bad_logits
+        return out
 
     # -- views of the components' buffers (tests read them, and swap ``cap_out`` for a smaller one) ---
     @property

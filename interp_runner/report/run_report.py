@@ -1,4 +1,4 @@
-"""The report of one store: ``<stem>.report.html`` beside it (``StoreTarget.report``), one static HTML file.
+"""The report of one store: ``<name>.report.html`` beside it (``StoreTarget.report``), one static HTML file.
 
 It shows the run's summary (the kind's lines), the kind's own sections, every figure of the store inline, the
 resolved config, the provenance manifest as tables, and the store's arrays. Only the store (and its figures
@@ -15,7 +15,9 @@ from pathlib import Path
 import xarray as xr
 
 from ..kinds.base import Kind, Section
+from ..result_flags import nonfinite_lines
 from ..store_claim import StoreTarget
+from ..store_read import open_dataset
 from .render import cell, figure_entry, flatten, render, write_html
 
 # manifest keys -> the table showing them (in this order); the rest goes under "Other attributes"
@@ -49,7 +51,7 @@ def write_report(store_path: Path, out_path: Path | None = None, *,
     that wrote it comes from ``kind_for`` (default: the registry's)."""
     store_path = Path(store_path)
     out_path = Path(out_path) if out_path is not None else StoreTarget.at(store_path).report
-    ds = xr.open_zarr(str(store_path), consolidated=False)
+    ds = open_dataset(store_path)  # UnreadableStore names an array zarr cannot load
     kind = (kind_for or default_kind)(ds)
     return write_html(out_path, render("report.html", **report_context(ds, store_path, kind)))
 
@@ -61,7 +63,7 @@ def report_context(ds: xr.Dataset, store_path: Path, kind: Kind | None) -> dict:
         kind = None
     anchors = Anchors()
     figures = [figure_path(store_path, p) for p in attrs.get("figures") or []]
-    summary = list(kind.summary(ds)) if kind is not None else []
+    summary = [*kind.summary(ds), *nonfinite_lines(attrs)] if kind is not None else []
     sections = [section_context(s, anchors) for s in (kind.report_sections(ds, figures) if kind else [])]
     shown = {f["path"] for s in sections for f in s["figures"]}
     experiment = attrs.get("experiment") or {}

@@ -17,6 +17,7 @@ import xarray as xr
 
 from ..kinds.base import Kind
 from ..store_claim import StoreTarget
+from ..store_read import open_dataset
 from .render import image_data_uri, render, write_html
 from . import run_report
 
@@ -53,7 +54,7 @@ def job_row(sweep_dir: Path, job: dict, values: dict, page_dir: Path, kind_for) 
     if job["status"] != "complete":
         return row
     try:
-        ds = xr.open_zarr(str(store), consolidated=False)
+        ds = open_dataset(store)  # an array zarr cannot load names itself, with no zarr task left behind
         kind = kind_for(ds)
         row["kind"] = getattr(kind, "name", None)
         row["headline"] = kind.headline(ds) if kind is not None else None

@@ -9,11 +9,12 @@ rule applied, and why, is printed). A rerun on another kernel path is teacher-fo
 tokens (``rerun``). Provenance differences are printed as information.
 
 Exit 0 when every result array matches, 1 on any mismatch (a missing or extra array included), 2 when no
-comparison could be made (usage, unreadable or unfinished store, an array that cannot be read, other weights, a
-config that no longer validates, a rerun that failed).
+comparison could be made (usage, unreadable or unfinished store, an array that cannot be read or whose codec zarr
+cannot load, other weights, a config that no longer validates, a rerun that failed).
 
 Modules: ``stores`` (reading a store), ``rules`` (which comparison, what tolerance), ``arrays`` (array by array),
-``report`` (the comparison and its printout), ``rerun`` (running a store again).
+``derived`` (arrays derived from others: the tolerance of their sources), ``report`` (the comparison and its
+printout), ``rerun`` (running a store again).
 """
 
 from __future__ import annotations

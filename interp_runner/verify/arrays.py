@@ -87,16 +87,18 @@ def mismatched_layout(name: str, role: str, new, ref) -> Difference | None:
 
 def compare_variable(name: str, role: str, new, ref, tolerance: Tolerance,
                      prob_scale: Callable[[], float] = lambda: 0.0,
-                     value_kind: Callable[[str], str] = default_value_kind) -> Difference | None:
+                     value_kind: Callable[[str], str] = default_value_kind,
+                     atol: tuple[float, str] | None = None) -> Difference | None:
     """None when the DataArray ``new`` matches ``ref`` (the reference: relative differences are to it);
     ``prob_scale()``: the reference store's largest probability; ``value_kind``: how the store's float arrays
-    scale (its experiment kind's ``value_kind``)."""
+    scale (its experiment kind's ``value_kind``); ``atol``: (allowed |difference|, how) where the caller decided it
+    (an array derived from others, ``derived``)."""
     found = mismatched_layout(name, role, new, ref)
     if found is not None or new.size == 0:
         return found
     if not is_float(new.dtype):
         return _compare_exact(name, role, new, ref)
-    atol, how = tolerance.atol(value_kind(name), lambda: peak(ref), stored_dtype(ref), prob_scale)
+    atol, how = atol or tolerance.atol(value_kind(name), lambda: peak(ref), stored_dtype(ref), prob_scale)
     worst, worst_at, worst_pair, max_rel, over, differing = -1.0, None, None, 0.0, 0, 0
     for (start, new_slab), (_, ref_slab) in zip(slabs(new), slabs(ref)):
         a = np.asarray(new_slab.values, dtype=np.complex128 if new.dtype.kind == "c" else np.float64)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .arrays import Difference, check_forced_greedy, compare_top_k, compare_variable, is_float, peak
+from .derived import Allowed, compare_derived
 from .rules import Tolerance, choose_tolerance
 from .stores import Store, VerifyError, check_readable
 
@@ -16,6 +17,7 @@ MANIFEST_KEYS = frozenset({
     "schema", "config_yaml", "config_sha256", "command", "overrides", "experiment", "experiments_dir", "package",
     "versions", "model", "seeds", "requests_sha256", "num_requests", "plugin", "host", "started_at",
     "finished_at", "status", "error", "engine", "figures", "exports", "timings", "run_key", "kind",
+    "companions",
 })
 PROVENANCE = (
     ("versions", lambda a: a.get("versions")),
@@ -107,7 +109,10 @@ def probability_scale(store: Store) -> Callable[[], float]:
 
 
 def _compare_one(name: str, role: str, new: Store, ref: Store, tolerance: Tolerance,
-                 prob_scale: Callable[[], float]) -> Difference | None:
+                 prob_scale: Callable[[], float], allowed: Allowed) -> Difference | None:
+    derived = compare_derived(name, role, allowed)  # judged with the tolerance of what it derives from
+    if derived is not False:
+        return derived
     a, b = new.ds[name], ref.ds[name]
     top_k = name == "top_token_ids" and "top_logprob" in new.ds and "top_logprob" in ref.ds
     if top_k and not tolerance.exact:
@@ -120,6 +125,7 @@ def compare(new: Store, ref: Store, exact: bool = False) -> Report:
     tolerance = choose_tolerance(new, ref, exact)
     report = Report(new, ref, tolerance)
     prob_scale = probability_scale(ref)
+    allowed = Allowed(new, ref, tolerance, prob_scale)
     for role, names in (("data", lambda ds: ds.data_vars), ("coord", lambda ds: ds.coords)):
         new_names, ref_names = set(names(new.ds)), set(names(ref.ds))
         for name in sorted(ref_names - new_names):
@@ -129,7 +135,7 @@ def compare(new: Store, ref: Store, exact: bool = False) -> Report:
         for name in sorted(new_names & ref_names):
             report.compared += 1
             try:
-                report.add(_compare_one(str(name), role, new, ref, tolerance, prob_scale))
+                report.add(_compare_one(str(name), role, new, ref, tolerance, prob_scale, allowed))
             except Exception as err:  # a chunk that does not decode: no comparison (exit 2)
                 raise _unreadable(str(name), (new, ref), err) from None
     greedy = {"tokens", "logprob", "top_logprob"} <= set(new.ds.data_vars)

@@ -18,8 +18,10 @@ array's largest |value|, never by less than one step of the array's storage dtyp
   other floats by ``GPU_RTOL`` of the compute dtype.
 
 Integer, boolean and string arrays are always exact, except the top-k token ids of a tolerant comparison, which are
-compared as sets (``arrays.compare_top_k``). Where generated tokens were teacher-forced to the reference's (a rerun
-on another kernel path), a reference token must also stay the greedy choice within the log-probability tolerance.
+compared as sets (``arrays.compare_top_k``), and a kind's threshold flags. Arrays a kind declares derived from
+others (its ``verify_rules``) take the tolerance of what they derive from (``derived``). Where generated tokens
+were teacher-forced to the reference's (a rerun on another kernel path), a reference token must also stay the
+greedy choice within the log-probability tolerance.
 """
 
 from __future__ import annotations

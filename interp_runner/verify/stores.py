@@ -7,6 +7,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..kinds import kind_of_store
+from ..store_read import UnreadableStore, check_metadata, open_dataset
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
@@ -66,39 +67,21 @@ class Store:
 
 
 def open_store(path: Path) -> Store:
-    """Open a finished store; refuse one that is missing or not ``complete``."""
-    import xarray as xr
-    import zarr
-
+    """Open a finished store; refuse one that is missing, not ``complete`` or with an array zarr cannot load."""
     path = Path(path)
-    try:
-        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
-    except Exception as err:  # zarr raises several kinds for a missing or foreign folder
-        raise VerifyError(f"{path}: not a readable zarr store ({type(err).__name__}: {err})") from None
+    try:  # array by array: a failure names its array, and leaves no zarr task behind
+        attrs = check_metadata(path)
+    except UnreadableStore as err:
+        raise VerifyError(str(err)) from None
     status = attrs.get("status")
     if status != "complete":
         why = f": {attrs['error']}" if attrs.get("error") else ""
         raise VerifyError(f"{path}: status is {status!r}, not 'complete'{why}; only finished stores can be verified")
     try:  # zarr has no codec that unpickles: an object array is refused here
-        ds = xr.open_zarr(str(path), consolidated=False)
-    except Exception as err:  # zarr and xarray raise several kinds for arrays they cannot read
-        raise VerifyError(f"{path}: cannot read its arrays{_first_unreadable(path)} ({type(err).__name__}: {err})"
-                          ) from None
+        ds = open_dataset(path)
+    except UnreadableStore as err:
+        raise VerifyError(str(err)) from None
     return Store(path, ds, attrs)
-
-
-def _first_unreadable(path: Path) -> str:
-    import zarr
-
-    try:
-        for name, array in zarr.open_group(str(path), mode="r").arrays():
-            try:
-                array[...]
-            except Exception:  # the codecs raise several kinds for a chunk they cannot decode
-                return f": array {name!r}"
-    except Exception:  # the group itself: the message says what failed
-        pass
-    return ""
 
 
 def check_readable(store: Store) -> None:

@@ -1,0 +1,121 @@
+"""Requests computed through a non-finite value: flagged on the device, read back with their results.
+
+A huge but finite residual stream (a steering scale of 1e30, say) makes the model's norms' mean of squares overflow:
+the normalized rows become zeros and every logit the same, with no inf or NaN in any activation or logit. So the
+stream the model's final norm reads (``hidden + residual`` after the last decoder layer, ``layers``) is checked each
+step, row by row: a row whose float32 sum of squares is not finite (an overflowing mean of squares, or an inf or
+NaN in the stream) is bad. The check is plain torch code in the layer (one fused reduction under torch.compile);
+the bad rows go to ``interp::flag_rows`` (``ops``), whose work here writes, on the device, 1 into each bad row's
+flag slot: fixed buffers and shapes, no host sync, inside compiled graphs and CUDA graphs alike.
+
+- ``row_slot[t]``: the flag slot of batch row ``t`` (model-row order in a step that skips layers); slot 0 takes
+  rows of no tracked request (CUDA-graph padding, requests without a payload) and is never read;
+- ``flags[slot]``: 1 once a row of the slot's request was bad.
+
+A request holds one slot from admission to release; a packed request one for its shared prefix and one per cell (a
+cell is flagged by either). At release its slots' flags are copied out (held on the device) and zeroed for their
+next owner, before any further step; they are read back with the request's results (``collect``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class ResultFlags:
+    def __init__(self, max_rows: int, device, staging, is_result_rank: bool):
+        self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        num_slots = 2 * max_rows  # far more than the requests and cells an engine holds at once
+        self.flags = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self._free = list(range(num_slots - 1, 0, -1))
+        self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
+        self._released: list[int] = []  # slots released since the last flush
+        self._entries: list[tuple[str, list[int]]] = []  # their requests: (rid, indices into ``_released``)
+        self._held: list[tuple[torch.Tensor, list[tuple[str, list[int]]]]] = []  # copied out, not yet read
+        self.flagged: dict[str, bool] = {}  # read back, not yet collected
+        self._staging = staging
+        self._is_result_rank = is_result_rank
+
+    # -- the op -------------------------------------------------------------------------------------
+    def flag_rows(self, bad: torch.Tensor) -> None:
+        """Mark the slots of the rows where ``bad`` (one bool per row of the step) holds: two small kernels. Every row
+        writes 1, good rows into slot 0, so rows sharing a slot never race to different values."""
+        self.flags.index_fill_(0, torch.where(bad, self.row_slot[: bad.shape[0]], 0), 1)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def _take(self) -> int:
+        if not self._free:
+            raise RuntimeError("interp: every result flag slot is in use")
+        return self._free.pop()
+
+    def acquire(self, plan) -> None:
+        plan.flag_slot = self._take()
+        if plan.cells is not None:
+            plan.cell_flag_slots = np.array([self._take() for _ in plan.cells.rids], dtype=np.int64)
+
+    def release(self, plan) -> None:
+        """The plan's slots are free again; their flags are copied out at the next ``flush``."""
+        if plan.flag_slot == 0:
+            return
+        at = len(self._released)
+        self._released.append(plan.flag_slot)
+        if plan.cells is None:
+            self._entries.append((plan.rid, [at]))
+        else:
+            for k, rid in enumerate(plan.cells.rids):
+                self._entries.append((rid, [at, at + 1 + k]))
+            self._released += plan.cell_flag_slots.tolist()
+            self._free += plan.cell_flag_slots.tolist()
+        self._free.append(plan.flag_slot)
+        plan.flag_slot, plan.cell_flag_slots = 0, None
+
+    def flush(self) -> None:
+        """Copy the released slots' flags out and zero them (queued on the device before the next step)."""
+        if not self._released:
+            return
+        index = self._staging.upload(np.array(self._released, dtype=np.int64))
+        if self._is_result_rank:
+            self._held.append((self.flags.index_select(0, index), self._entries))
+        self.flags.index_fill_(0, index, 0)
+        self._released, self._entries = [], []
+
+    def collect(self, rids) -> dict[str, bool]:
+        """Whether each of ``rids`` (released) was computed through a non-finite value."""
+        self.flush()
+        held, self._held = self._held, []
+        for values, entries in held:
+            values = values.cpu().numpy()
+            for rid, at in entries:
+                self.flagged[rid] = bool(values[at].any())
+        return {rid: self.flagged.pop(rid, False) for rid in rids}
+
+    # -- per step -----------------------------------------------------------------------------------
+    def plan(self, plans, starts: np.ndarray, computed: np.ndarray, num_rows: int, num_tokens: int,
+             row_of: np.ndarray | None) -> None:
+        """Write each row's slot: its request's, or for a packed request's segment rows its cell's."""
+        n = len(starts) - 1
+        owner = np.repeat(np.arange(n), np.diff(starts))
+        slots = np.zeros(num_rows, dtype=np.int64)
+        slots[:num_tokens] = np.array([p.flag_slot if p is not None else 0 for p in plans], dtype=np.int64)[owner]
+        for i, plan in enumerate(plans):
+            cells = plan.cells if plan is not None else None
+            if cells is None or plan.flag_slot == 0:
+                continue
+            rows = np.arange(starts[i], starts[i + 1])
+            positions = computed[i] + rows - starts[i]
+            inside = positions >= cells.prefix
+            k = np.minimum((positions[inside] - cells.prefix) // cells.stride, len(cells.rids) - 1)
+            slots[rows[inside]] = plan.cell_flag_slots[k]
+        if row_of is not None:
+            slots[row_of] = slots[:num_tokens].copy()
+        if isinstance(self._row_slots, np.ndarray) and np.array_equal(self._row_slots, slots):
+            return  # the buffer already holds these slots
+        self._staging.upload(slots, into=self.row_slot[:num_rows])
+        self._row_slots = slots
+
+    def clear(self) -> None:
+        """No row of the step belongs to a tracked request."""
+        if self._row_slots is not False:
+            self.row_slot.zero_()
+            self._row_slots = False
