@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,47 +24,13 @@ import xarray as xr
 import yaml
 
 from conftest import REPO
+from tp_jobs import run_jobs
 from test_tensor_parallel import trace_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
 
 BF16_FACTOR = 4.0
 FP32_SHARE = 1e-4
-
-# runs a list of (config, run dir) in order on one engine pool; consecutive runs with the same engine settings share
-# one engine, built first with the union of their sites
-RUNNER = """
-import json, sys
-from pathlib import Path
-from interp_runner.engine import EnginePool, on_gpu
-from interp_runner.pipeline import prepare, run
-if __name__ == "__main__":
-    jobs = json.loads(Path(sys.argv[1]).read_text())
-    pool = EnginePool()
-    groups = []
-    for job in jobs:
-        if groups and groups[-1][0][0]["engine"] == job[0]["engine"]:
-            groups[-1].append(job)
-        else:
-            groups.append([job])
-    try:
-        for group in groups:
-            spec, first = None, None
-            for config, _ in group:
-                forced = config.get("sampling", {}).get("teacher_forcing")
-                if forced and not Path(forced).exists():
-                    continue  # forced to a store of this group: its sites are the same experiment's
-                prepared = prepare(config)
-                spec = prepared.plan.engine_spec if spec is None else spec.union(prepared.plan.engine_spec)
-                first = first or prepared
-            pool.get(first.facts.path, first.cfg.engine.resolved(on_gpu(), True), spec)
-            for config, run_dir in group:
-                run(config, Path(run_dir), engines=pool)
-    finally:
-        pool.close()
-    print("builds", pool.builds, "runs", pool.runs)
-"""
-
 
 def engine(tp: int, dtype: str) -> dict:
     return {"dtype": dtype, "enforce_eager": False, "max_model_len": 1024, "max_num_seqs": 16,
@@ -85,24 +49,6 @@ def trace(tp: int, store: Path) -> dict:
     cfg = trace_config(tp, str(store))
     cfg["engine"] = engine(tp, "float32")
     return cfg
-
-
-def run_jobs(tmp: Path, tp: int, jobs: list[tuple[dict, Path]]) -> None:
-    spec = tmp / f"jobs{tp}.json"
-    spec.write_text(json.dumps([[cfg, str(run_dir)] for cfg, run_dir in jobs]))
-    # the repository first, then the environment's own path (where packages may come from PYTHONPATH)
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor{tp}")}
-    out = subprocess.run([sys.executable, "-c", RUNNER, str(spec)], env=env, cwd=tmp, capture_output=True,
-                         text=True, timeout=900)
-    log = tmp / f"tp{tp}.log"
-    log.write_text(out.stdout + out.stderr)
-    if out.returncode != 0:  # a worker's root cause comes long before the engine core's report of it
-        lines = (out.stdout + out.stderr).splitlines()
-        first = next((i for i, line in enumerate(lines) if "Traceback" in line or "Error" in line), len(lines))
-        pytest.fail(f"TP = {tp} run failed (whole log: {log}); first error:\n" + "\n".join(lines[first:first + 60])
-                    + "\n...\n" + "\n".join(lines[-30:]))
 
 
 @pytest.fixture(scope="module")

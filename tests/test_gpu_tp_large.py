@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,49 +25,13 @@ import xarray as xr
 import yaml
 
 from conftest import REPO
+from tp_jobs import run_jobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
 
 BF16_FACTOR = 4.0
 SEED = 0
 WIDTH_LAYERS = 8
-
-# runs a list of (config, run dir) in order on one engine pool; consecutive runs with the same model and engine
-# settings share one engine, built first with the union of their sites
-RUNNER = """
-import json, sys
-from pathlib import Path
-from interp_runner.engine import EnginePool, on_gpu
-from interp_runner.pipeline import prepare, run
-if __name__ == "__main__":
-    jobs = json.loads(Path(sys.argv[1]).read_text())
-    pool = EnginePool(log=print)
-    groups = []
-    for job in jobs:
-        same = lambda a, b: a["engine"] == b["engine"] and a["model"] == b["model"]
-        if groups and same(groups[-1][0][0], job[0]):
-            groups[-1].append(job)
-        else:
-            groups.append([job])
-    try:
-        for group in groups:
-            spec, first = None, None
-            for config, _ in group:
-                forced = config.get("sampling", {}).get("teacher_forcing")
-                if forced and not Path(forced).exists():
-                    continue  # forced to a store of this group: its sites are the same experiment's
-                prepared = prepare(config)
-                spec = prepared.plan.engine_spec if spec is None else spec.union(prepared.plan.engine_spec)
-                first = first or prepared
-            pool.get(first.facts.path, first.cfg.engine.resolved(on_gpu(), True), spec,
-                     first.cfg.model.weights_seed())
-            for config, run_dir in group:
-                run(config, Path(run_dir), engines=pool)
-    finally:
-        pool.close()
-    print("builds", pool.builds, "runs", pool.runs)
-"""
-
 
 def engine(tp: int, dtype: str) -> dict:
     return {"dtype": dtype, "enforce_eager": dtype == "float32",  # the float32 reference need not be compiled
@@ -85,26 +47,6 @@ def smoke(folder: Path, tp: int, dtype: str, store: Path, forced: Path | None = 
     if forced is not None:
         cfg["sampling"] = {**cfg["sampling"], "teacher_forcing": str(forced)}
     return cfg
-
-
-def run_jobs(tmp: Path, tp: int, jobs: list[tuple[dict, Path]]) -> None:
-    spec = tmp / f"jobs{tp}.json"
-    spec.write_text(json.dumps([[cfg, str(run_dir)] for cfg, run_dir in jobs]))
-    # the repository first, then the environment's own path (where packages may come from PYTHONPATH)
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor{tp}")}
-    out = subprocess.run([sys.executable, "-c", RUNNER, str(spec)], env=env, cwd=tmp, capture_output=True,
-                         text=True, timeout=1800)
-    log = tmp / f"tp{tp}.log"
-    log.write_text(out.stdout + out.stderr)
-    report(f"TP = {tp}: " + " | ".join(line.strip() for line in out.stdout.splitlines()
-                                       if "engine start" in line or "builds" in line))
-    if out.returncode != 0:  # a worker's root cause comes long before the engine core's report of it
-        lines = (out.stdout + out.stderr).splitlines()
-        first = next((i for i, line in enumerate(lines) if "Traceback" in line or "Error" in line), len(lines))
-        pytest.fail(f"TP = {tp} run failed (whole log: {log}); first error:\n" + "\n".join(lines[first:first + 60])
-                    + "\n...\n" + "\n".join(lines[-30:]))
 
 
 def report(line: str) -> None:
@@ -130,12 +72,15 @@ def stores(tmp_path_factory) -> dict[str, xr.Dataset]:
         names += ["big_bf16_forced_8", "big_fp32_forced_8"]
     s = {name: tmp / f"{name}.zarr" for name in names}
     run_jobs(tmp, 2, [(smoke(width, 2, "bfloat16", s["w8_bf16_2"]), tmp / "r1"),
-                      (smoke(width, 2, "float32", s["w8_fp32_forced_2"], forced=s["w8_bf16_2"]), tmp / "r2")])
+                      (smoke(width, 2, "float32", s["w8_fp32_forced_2"], forced=s["w8_bf16_2"]), tmp / "r2")],
+             timeout=1800, report=report)
     run_jobs(tmp, 4, [(smoke(width, 4, "bfloat16", s["w8_bf16_forced_4"], forced=s["w8_bf16_2"]), tmp / "r3"),
-                      (smoke(big, 4, "bfloat16", s["big_bf16_4"]), tmp / "r4")])
+                      (smoke(big, 4, "bfloat16", s["big_bf16_4"]), tmp / "r4")],
+             timeout=1800, report=report)
     if gpus >= 8:
         run_jobs(tmp, 8, [(smoke(big, 8, "bfloat16", s["big_bf16_forced_8"], forced=s["big_bf16_4"]), tmp / "r5"),
-                          (smoke(big, 8, "float32", s["big_fp32_forced_8"], forced=s["big_bf16_4"]), tmp / "r6")])
+                          (smoke(big, 8, "float32", s["big_fp32_forced_8"], forced=s["big_bf16_4"]), tmp / "r6")],
+                 timeout=1800, report=report)
     return {name: xr.open_zarr(path, consolidated=False) for name, path in s.items()}
 
 

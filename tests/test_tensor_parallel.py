@@ -31,6 +31,21 @@ if __name__ == "__main__":
     print(run(config, Path(sys.argv[2])))
 """
 
+# builds a TP = 2 engine, closes it, prints its processes' names and those still running after ``close``
+CLOSE_RUNNER = """
+import json, sys
+import psutil
+sys.path.insert(0, sys.argv[2])  # the tests folder
+from conftest import build_engine
+if __name__ == "__main__":
+    engine = build_engine(sys.argv[1], [], [], tensor_parallel_size=2)
+    processes = [psutil.Process(pid) for pid in engine.processes]
+    names = sorted(p.name() for p in processes)
+    engine.close()
+    alive = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    print(json.dumps({"names": names, "alive": alive}))
+"""
+
 CLEAN = "The Eiffel Tower is located in the city of"
 CORRUPT = "The Big Ben clock is located in the city of"
 
@@ -74,19 +89,24 @@ def trace_config(tp: int, store: str) -> dict:
     }
 
 
-def run_tp(tp: int, tmp_path, max_tokens: int = 1, make_config=None) -> xr.Dataset:
-    store = tmp_path / f"tp{tp}.zarr"
-    cfg = tmp_path / f"tp{tp}.json"
-    made = make_config(tp, str(store)) if make_config else config(tp, str(store), max_tokens)
-    cfg.write_text(json.dumps(made))
+def tp_env(tp: int, tmp_path) -> dict:
+    """The environment of a fresh process at tensor-parallel size ``tp``, its ranks bound to their own cores."""
     # the repository first, then the environment's own path (where packages may come from PYTHONPATH)
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{tp}"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0", "PYTHONPATH": path}
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:tp])
-    out = subprocess.run([sys.executable, "-c", RUNNER, str(cfg), str(tmp_path / f"run{tp}")], env=env,
-                         capture_output=True, text=True, timeout=900)
+    return env
+
+
+def run_tp(tp: int, tmp_path, max_tokens: int = 1, make_config=None) -> xr.Dataset:
+    store = tmp_path / f"tp{tp}.zarr"
+    cfg = tmp_path / f"tp{tp}.json"
+    made = make_config(tp, str(store)) if make_config else config(tp, str(store), max_tokens)
+    cfg.write_text(json.dumps(made))
+    out = subprocess.run([sys.executable, "-c", RUNNER, str(cfg), str(tmp_path / f"run{tp}")],
+                         env=tp_env(tp, tmp_path), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return xr.open_zarr(store, consolidated=False)
 
@@ -129,18 +149,13 @@ def test_tp2_packed_trace_cells_match_tp1(tmp_path):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores for two ranks")
-def test_closing_a_tp_engine_waits_for_its_processes(tiny_path, monkeypatch):
+def test_closing_a_tp_engine_waits_for_its_processes(tiny_path, tmp_path):
     """vLLM's shutdown kills an engine core that takes over 5 s to stop and returns while its TP workers still run;
-    ``close`` returns only once every process the engine started has ended."""
-    import psutil
-
-    from conftest import build_engine
-
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:2]))
-    engine = build_engine(tiny_path, [], [], tensor_parallel_size=2)
-    names = sorted(psutil.Process(pid).name() for pid in engine.processes)
-    assert names == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
-    processes = [psutil.Process(pid) for pid in engine.processes]
-    engine.close()
-    assert not [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    ``close`` returns only once every process the engine started has ended. In a fresh process, as every TP run
+    here: vLLM caches its environment once an in-process engine has started."""
+    out = subprocess.run([sys.executable, "-c", CLOSE_RUNNER, str(tiny_path), str(REPO / "tests")], env=tp_env(2, tmp_path),
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["names"] == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+    assert found["alive"] == []

@@ -1,0 +1,74 @@
+"""Runs a list of experiment configs in one fresh process per tensor-parallel size, as production runs them: one
+engine pool, consecutive configs with the same model and engine settings sharing one engine built first with the
+union of their sites (their TP workers never forked from the test process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+RUNNER = """
+import json, sys
+from pathlib import Path
+from interp_runner.engine import EnginePool, on_gpu
+from interp_runner.pipeline import prepare, run
+if __name__ == "__main__":
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    pool = EnginePool(log=print)
+    groups = []
+    for job in jobs:
+        same = lambda a, b: a["engine"] == b["engine"] and a["model"] == b["model"]
+        if groups and same(groups[-1][0][0], job[0]):
+            groups[-1].append(job)
+        else:
+            groups.append([job])
+    try:
+        for group in groups:
+            spec, first = None, None
+            for config, _ in group:
+                forced = config.get("sampling", {}).get("teacher_forcing")
+                if forced and not Path(forced).exists():
+                    continue  # forced to a store of this group: its sites are the same experiment's
+                prepared = prepare(config)
+                spec = prepared.plan.engine_spec if spec is None else spec.union(prepared.plan.engine_spec)
+                first = first or prepared
+            pool.get(first.facts.path, first.cfg.engine.resolved(on_gpu(), True), spec,
+                     first.cfg.model.weights_seed())
+            for config, run_dir in group:
+                run(config, Path(run_dir), engines=pool)
+    finally:
+        pool.close()
+    print("builds", pool.builds, "runs", pool.runs)
+"""
+
+
+def run_jobs(tmp: Path, tp: int, jobs: list[tuple[dict, Path]], timeout: float = 900,
+             report: Callable[[str], None] | None = None) -> None:
+    """Run ``jobs`` (config, run dir) in order in one process at tensor-parallel size ``tp``; fails the test with
+    the first error of the process's log (kept as ``tmp/tp<tp>.log``)."""
+    spec = tmp / f"jobs{tp}.json"
+    spec.write_text(json.dumps([[cfg, str(run_dir)] for cfg, run_dir in jobs]))
+    # the repository first, then the environment's own path (where packages may come from PYTHONPATH)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor{tp}")}
+    out = subprocess.run([sys.executable, "-c", RUNNER, str(spec)], env=env, cwd=tmp, capture_output=True,
+                         text=True, timeout=timeout)
+    log = tmp / f"tp{tp}.log"
+    log.write_text(out.stdout + out.stderr)
+    if report is not None:
+        report(f"TP = {tp}: " + " | ".join(line.strip() for line in out.stdout.splitlines()
+                                           if "engine start" in line or "builds" in line))
+    if out.returncode != 0:  # a worker's root cause comes long before the engine core's report of it
+        lines = (out.stdout + out.stderr).splitlines()
+        first = next((i for i, line in enumerate(lines) if "Traceback" in line or "Error" in line), len(lines))
+        pytest.fail(f"TP = {tp} run failed (whole log: {log}); first error:\n" + "\n".join(lines[first:first + 60])
+                    + "\n...\n" + "\n".join(lines[-30:]))
