@@ -308,5 +308,4 @@ def run(
         claim.release()
         if own_pool and engines is not None:
             engines.close()
-    log(f"store: {store_path}")
     return store_path

@@ -1,5 +1,5 @@
-"""A short human summary of a finished store: a header, the lines its experiment kind gives, where its figures and
-exports are."""
+"""A short human summary of a finished store: a header, the lines its experiment kind gives, where its figures,
+exports, report and the store itself are (each path once)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import xarray as xr
 
 from .kinds import kind_of_store
 from .result_flags import nonfinite_lines
+from .store_claim import StoreTarget
 
 
 def print_summary(store: Path) -> None:
@@ -21,4 +22,7 @@ def print_summary(store: Path) -> None:
     for what in ("figures", "exports"):
         for path in attrs.get(what, [])[:1]:
             print(f"  {what}: {Path(path).parent}")
+    report = StoreTarget.at(store).report
+    if report.exists():
+        print(f"report: {report}")
     print(f"store: {store}")

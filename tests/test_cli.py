@@ -32,7 +32,10 @@ def test_cli_run_writes_a_complete_store(tmp_path):
         f"store.path={store}", f"hydra.run.dir={tmp_path / 'run'}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"store: {store}" in proc.stdout
+    # the store and its report, each said once
+    assert proc.stdout.count(f"store: {store}") == 1, proc.stdout
+    assert proc.stdout.count(f"report: {tmp_path / 'smoke.zarr.report.html'}") == 1, proc.stdout
+    assert (tmp_path / "smoke.zarr.report.html").is_file()
 
     ds = xr.open_zarr(str(store), consolidated=False)
     attrs = dict(zarr.open_group(str(store), mode="r").attrs)
