@@ -242,6 +242,7 @@ class VllmEngine:
         payload; the core's outputs are read directly. Same scheduler, model runner and sampling as ``generate``.
         With ``pack_cells``, cells that share a prompt prefix go in shared engine requests (``packing``)."""
         from vllm import SamplingParams
+        from vllm.inputs import tokens_input
         from vllm.v1.engine import EngineCoreRequest
 
         engine = self.llm.llm_engine
@@ -296,7 +297,7 @@ class VllmEngine:
                 params = processed.get(key)
                 if params is None:
                     params = engine.input_processor.process_inputs(
-                        rid, {"prompt_token_ids": token_ids}, SamplingParams(**settings),
+                        rid, tokens_input(token_ids), SamplingParams(**settings),
                         supported_tasks=engine.get_supported_tasks(),
                     ).sampling_params
                     processed[key] = params
