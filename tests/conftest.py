@@ -94,6 +94,19 @@ def run_plan(engine, config: dict, **sampling_extra):
     return plan, execute(engine, plan, log=lambda _: None, use_tqdm=False)
 
 
+class Borrowed:
+    """The session's engine, lent to one pipeline run (which does not close it)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def close(self):
+        pass
+
+
 def engine_at_every_site(path: Path, num_layers: int, **engine):
     """An engine (fp32, eager unless overridden) with steering, capture and patch ops at every site; closed
     after use."""

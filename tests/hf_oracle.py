@@ -29,6 +29,16 @@ def _add(vec):
     return hook
 
 
+def hooked_logits(model: torch.nn.Module, token_ids: list[int], handles: list) -> torch.Tensor:
+    """The model's logits over ``token_ids`` with its hooks ``handles`` in place; the hooks are removed after."""
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([token_ids])).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def forward(
     path: Path,
     token_ids: list[int],
@@ -92,12 +102,7 @@ def forward(
             layer.mlp.register_forward_hook(mlp),
             layer.register_forward_hook(block),
         ]
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([token_ids])).logits[0]
-    finally:
-        for h in handles:
-            h.remove()
+    logits = hooked_logits(model, token_ids, handles)
     return logits.float(), {k: v.float().numpy() for k, v in captured.items()}
 
 
@@ -169,10 +174,4 @@ def patched_logits(path: Path, token_ids: list[int], patches: dict, source: dict
             layer.mlp.register_forward_hook(mlp),
             layer.register_forward_hook(block),
         ]
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([token_ids])).logits[0]
-    finally:
-        for h in handles:
-            h.remove()
-    return logits.float()
+    return hooked_logits(model, token_ids, handles).float()

@@ -16,7 +16,6 @@ model and dtype:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +24,10 @@ import xarray as xr
 import yaml
 
 from conftest import REPO
-from tp_jobs import run_jobs
+from tp_jobs import compiled, ranks_agree, report, run_jobs, within_bf16
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
 
-BF16_FACTOR = 4.0
 SEED = 0
 WIDTH_LAYERS = 8
 
@@ -47,13 +45,6 @@ def smoke(folder: Path, tp: int, dtype: str, store: Path, forced: Path | None = 
     if forced is not None:
         cfg["sampling"] = {**cfg["sampling"], "teacher_forcing": str(forced)}
     return cfg
-
-
-def report(line: str) -> None:
-    print(line)
-    if os.environ.get("INTERP_GPU_REPORT"):  # bench/tp_large.sh keeps it with the logs
-        with open(os.environ["INTERP_GPU_REPORT"], "a") as f:
-            f.write(line + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -82,38 +73,6 @@ def stores(tmp_path_factory) -> dict[str, xr.Dataset]:
                           (smoke(big, 8, "float32", s["big_fp32_forced_8"], forced=s["big_bf16_4"]), tmp / "r6")],
                  timeout=1800, report=report)
     return {name: xr.open_zarr(path, consolidated=False) for name, path in s.items()}
-
-
-def ranks_agree(ds: xr.Dataset, ranks: int) -> None:
-    checksums = json.loads(json.dumps(ds.attrs["engine"]["intervention_checksums"]))
-    assert len(checksums) == ranks and all(c == checksums[0] for c in checksums) and checksums[0]["steps"] > 0
-
-
-def compiled(ds: xr.Dataset) -> bool:
-    return yaml.safe_load(ds.attrs["config_yaml"])["engine"]["enforce_eager"] is False and bool(ds.attrs["host"]["gpus"])
-
-
-def float_arrays(ds: xr.Dataset) -> list[str]:
-    return sorted(name for name, var in ds.data_vars.items() if var.dtype.kind == "f")
-
-
-def within_bf16(one: xr.Dataset, two: xr.Dataset, ref: xr.Dataset) -> list[str]:
-    """Every float array of ``two`` within BF16_FACTOR x |one - ref| of ``one`` (teacher-forced: same tokens)."""
-    np.testing.assert_array_equal(one["tokens"].values, two["tokens"].values)
-    np.testing.assert_array_equal(one["tokens"].values, ref["tokens"].values)
-    lines = []
-    for name in float_arrays(one):
-        a, b, r = (ds[name].values.astype(np.float64) for ds in (one, two, ref))
-        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
-        if not np.isfinite(a).any():
-            continue
-        bf16_cost = float(np.nanmax(np.abs(a - r)))
-        tol = max(BF16_FACTOR * bf16_cost, 1e-6 * max(float(np.nanmax(np.abs(a))), 1.0))
-        err = float(np.nanmax(np.abs(b - a)))
-        lines.append(f"{name} {err:.4g}/{tol:.4g}")
-        assert err <= tol, f"{name}: differs by {err:.4g} > {tol:.4g} (bf16 vs fp32: {bf16_cost:.4g})"
-    assert lines
-    return lines
 
 
 def test_70b_tp4_steering_capture_patching_ranks_agree(stores):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from conftest import base_config
+from conftest import Borrowed, base_config
 from interp_runner.engine import RequestResult
 from interp_runner.result_arrays import score_arrays
 
@@ -55,19 +55,6 @@ def test_recovered_and_the_noise_floor_on_made_up_scores():
 def test_a_single_stage_run_has_no_patching_scores():
     data, attrs = score_arrays(SimpleNamespace(num_stages=1), made_up_pairs()[:3])
     assert "recovered" not in data and "below_noise_floor" not in data and attrs == {}
-
-
-class Borrowed:
-    """The session's engine, lent to one pipeline run (which does not close it)."""
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def close(self):
-        pass
 
 
 CLEAN = "The Eiffel Tower is located in the city of"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_oracle
-from conftest import REPO, run_plan
+from conftest import REPO, Borrowed, run_plan
 from interp_runner.config import ConfigError
 from interp_runner.engine import RequestResult
 from interp_runner.kinds.steering_vectors import KIND
@@ -309,19 +309,6 @@ def test_store_marks_degenerate_vectors_and_signs_pca_by_the_mean_difference(tmp
     assert names == {f"{m}.{h}.{lay}" for m in ("mean_diff", "pca") for h in ("pre_attn", "post_block")
                      for lay in (0, 1, 2)} - {"mean_diff.pre_attn.0", "pca.pre_attn.0"}
     assert sorted(p.name for p in written) == ["vectors.mean_diff.gguf", "vectors.pca.gguf", "vectors.safetensors"]
-
-
-class Borrowed:
-    """The session's engine, lent to one pipeline run (which does not close it)."""
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def close(self):
-        pass
 
 
 SAME_LAST_TOKEN = [("I think the film was good.", "I think the film was bad."),

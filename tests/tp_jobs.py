@@ -1,6 +1,7 @@
 """Runs a list of experiment configs in one fresh process per tensor-parallel size, as production runs them: one
 engine pool, consecutive configs with the same model and engine settings sharing one engine built first with the
-union of their sites (their TP workers never forked from the test process)."""
+union of their sites (their TP workers never forked from the test process); and the checks the GPU TP tests make of
+the stores those runs write."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
+import xarray as xr
+import yaml
 
 from conftest import REPO
+
+BF16_FACTOR = 4.0  # a bfloat16 TP array may differ from the reference TP size by this many times bfloat16's own cost
 
 RUNNER = """
 import json, sys
@@ -72,3 +78,46 @@ def run_jobs(tmp: Path, tp: int, jobs: list[tuple[dict, Path]], timeout: float =
         first = next((i for i, line in enumerate(lines) if "Traceback" in line or "Error" in line), len(lines))
         pytest.fail(f"TP = {tp} run failed (whole log: {log}); first error:\n" + "\n".join(lines[first:first + 60])
                     + "\n...\n" + "\n".join(lines[-30:]))
+
+
+def report(line: str) -> None:
+    """Print ``line`` and keep it with the GPU check's logs (``INTERP_GPU_REPORT``, set by bench/gpu_check.sh and
+    bench/tp_large.sh)."""
+    print(line)
+    if os.environ.get("INTERP_GPU_REPORT"):
+        with open(os.environ["INTERP_GPU_REPORT"], "a") as f:
+            f.write(line + "\n")
+
+
+def ranks_agree(ds: xr.Dataset, ranks: int) -> None:
+    checksums = json.loads(json.dumps(ds.attrs["engine"]["intervention_checksums"]))
+    assert len(checksums) == ranks and all(c == checksums[0] for c in checksums) and checksums[0]["steps"] > 0
+
+
+def compiled(ds: xr.Dataset) -> bool:
+    eager = yaml.safe_load(ds.attrs["config_yaml"])["engine"]["enforce_eager"]
+    return eager is False and bool(ds.attrs["host"]["gpus"])
+
+
+def float_arrays(ds: xr.Dataset) -> list[str]:
+    return sorted(name for name, var in ds.data_vars.items() if var.dtype.kind == "f")
+
+
+def within_bf16(one: xr.Dataset, two: xr.Dataset, ref: xr.Dataset) -> list[str]:
+    """Every float array of ``two`` within BF16_FACTOR x |one - ref| of ``one`` (teacher-forced: same tokens); one
+    line per array."""
+    np.testing.assert_array_equal(one["tokens"].values, two["tokens"].values)
+    np.testing.assert_array_equal(one["tokens"].values, ref["tokens"].values)
+    lines = []
+    for name in float_arrays(one):
+        a, b, r = (ds[name].values.astype(np.float64) for ds in (one, two, ref))
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+        if not np.isfinite(a).any():
+            continue
+        bf16_cost = float(np.nanmax(np.abs(a - r)))  # what bfloat16 costs here, at the reference TP size
+        tol = max(BF16_FACTOR * bf16_cost, 1e-6 * max(float(np.nanmax(np.abs(a))), 1.0))
+        err = float(np.nanmax(np.abs(b - a)))
+        lines.append(f"{name} {err:.4g}/{tol:.4g}")
+        assert err <= tol, f"{name}: differs by {err:.4g} > {tol:.4g} (bf16 vs fp32: {bf16_cost:.4g})"
+    assert lines
+    return lines
