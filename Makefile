@@ -15,8 +15,8 @@ run:              ## causal tracing on the embedded SmolLM2
 test:             ## the whole CPU test suite
 	$(PY) -m pytest -q
 
-test-fast:        ## unit tests only (no engine)
-	$(PY) -m pytest -q -m "not engine"
+test-fast:        ## unit tests only (no engine, no command-line tool run as a process)
+	$(PY) -m pytest -q -m "not engine and not cli"
 
 golden:           ## regenerate the golden stores experiments/golden/*.zarr (tiny_random)
 	bash scripts/make_golden.sh

@@ -5,7 +5,7 @@
 #   bash bench/sweep_wall.sh OUT.json [override ...]      # default: SWEEP below
 #
 # `parallel`: hydra/launcher=parallel (joblib, n_jobs = the GPUs), each job process on its own GPU
-# (interp_runner.job_gpus), with its own engine. `one-gpu`: Hydra's basic launcher with CUDA_VISIBLE_DEVICES=0, the jobs one after another in one
+# (interp_runner.job_gpus), with its own engine. `one-gpu`: Hydra's basic launcher on the first GPU given, the jobs one after another in one
 # process on one engine (reused between jobs). Whole `python -m interp_runner` processes, start to end.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -14,8 +14,9 @@ JSON=${1:?usage: sweep_wall.sh OUT.json [override ...]}
 shift
 SWEEP=("$@")
 [ ${#SWEEP[@]} -eq 0 ] && SWEEP=(+experiment=causal_trace_full causal_trace.num_facts=12 causal_trace.plots=false
-                                 "causal_trace.noise.seed=0,1")
+                                 "causal_trace.noise.seed=0,1,2,3")
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+FIRST_GPU=${CUDA_VISIBLE_DEVICES:-0}; FIRST_GPU=${FIRST_GPU%%,*}  # the one-GPU run stays inside the GPUs it was given
 ROOT=${SWEEP_DIR:-/tmp/interp-sweep-wall}
 rm -rf "$ROOT"
 declare -A WALL RC
@@ -26,7 +27,7 @@ for variant in parallel one-gpu; do
     $PY -m interp_runner -m hydra/launcher=parallel "hydra.launcher.n_jobs=$GPUS" "${SWEEP[@]}" \
       "hydra.sweep.dir=$dir" > "$ROOT.$variant.log" 2>&1
   else
-    CUDA_VISIBLE_DEVICES=0 $PY -m interp_runner -m "${SWEEP[@]}" "hydra.sweep.dir=$dir" > "$ROOT.$variant.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$FIRST_GPU $PY -m interp_runner -m "${SWEEP[@]}" "hydra.sweep.dir=$dir" > "$ROOT.$variant.log" 2>&1
   fi
   RC[$variant]=$?
   WALL[$variant]=$($PY -c "print(round($EPOCHREALTIME - $t0, 2))")

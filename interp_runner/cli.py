@@ -20,6 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from . import run_log
 from .cli_errors import COMMAND_LINE_ERRORS, explain
 from .config import ConfigError
 from .config.errors import EXIT_CODE
@@ -30,6 +31,8 @@ EXPERIMENTS_DIR = str(Path(__file__).resolve().parent.parent / "experiments")
 OmegaConf.register_new_resolver("experiments_dir", lambda: EXPERIMENTS_DIR, replace=True)
 
 _engines = None
+VERBOSE_FLAGS = ("-v", "--verbose")  # not Hydra's: taken off the command line before Hydra parses it
+_verbose = False
 
 
 def _engine_pool():
@@ -46,6 +49,7 @@ def _main(cfg: DictConfig) -> None:
     from .pipeline import run
 
     hydra_cfg = HydraConfig.get()
+    run_log.install(_verbose)  # after Hydra's logging set-up: its run-folder log gets the libraries' lines too
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task)  # as typed: "${...}" in one stays unresolved
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     if multirun and not hydra_cfg.launcher._target_.endswith(".BasicLauncher"):
@@ -59,7 +63,8 @@ def _main(cfg: DictConfig) -> None:
     store, status = None, "failed"
     try:
         config = resolved(cfg)
-        store = run(config, Path(hydra_cfg.runtime.output_dir), overrides=overrides, engines=_engine_pool())
+        store = run(config, Path(hydra_cfg.runtime.output_dir), overrides=overrides, engines=_engine_pool(),
+                    log=run_log.say)
         status = "complete" if store is not None else "dry_run"
     except ConfigError as err:
         report(err.problems)
@@ -68,9 +73,11 @@ def _main(cfg: DictConfig) -> None:
         status = "config_error"
     finally:
         if multirun:
+            from .report.sweep_index import write_index_page
             from .sweep import record_job
 
-            record_job(Path(hydra_cfg.sweep.dir), hydra_cfg.job.num, overrides, store, status)
+            record_job(Path(hydra_cfg.sweep.dir), hydra_cfg.job.num, overrides, store, status,
+                       on_recorded=write_index_page)
     if store is not None:
         from .summary import print_summary
 
@@ -100,6 +107,11 @@ def _reraise(err: BaseException) -> None:
 
 
 def main() -> None:
+    """``interp-run [-v] [Hydra's arguments]``: ``-v`` shows vLLM's, torch's and transformers' log lines on the
+    console too (``interp_runner.run_log``; they always go to the log file beside the store)."""
+    global _verbose
+    _verbose = any(arg in VERBOSE_FLAGS for arg in sys.argv[1:])
+    sys.argv[1:] = [arg for arg in sys.argv[1:] if arg not in VERBOSE_FLAGS]
     hydra_reports = "HYDRA_FULL_ERROR" not in os.environ
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors instead of printing them and exiting 1
     try:

@@ -8,6 +8,7 @@ config again override by override: only on this failure path.
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterator
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
@@ -30,7 +31,10 @@ def explain(err: Exception, argv: list[str], conf_dir: str, config_name: str) ->
     if isinstance(err, OmegaConfBaseException):  # an interpolation the resolved config could not resolve
         return [(getattr(err, "full_key", None) or "<config>", _message(err))]
     args = get_args_parser().parse_args(argv)
-    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(f"file://{conf_dir}"))
+    search_path = create_config_search_path(f"file://{conf_dir}")
+    if args.config_dir is not None and os.path.isdir(args.config_dir):  # --config-dir: searched first, as by Hydra
+        search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(args.config_dir)}")
+    loader = ConfigLoaderImpl(config_search_path=search_path)
     if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):
         group, _, name = err.missing_cfg_file.rpartition("/")
         return [(group, _no_option(group, name, err.options or _options(loader, group)))]

@@ -1,7 +1,7 @@
 """Proof that a file beside a store is the store's own, so that a later run may replace or delete it.
 
 A store lists in its root attribute ``companions`` the content hash of each companion it was published with (role
--> sha256: ``report`` of the file's bytes, ``figures`` and ``exports`` a tree hash of the folder,
+-> sha256: ``report`` and ``log`` of the file's bytes, ``figures`` and ``exports`` a tree hash of the folder,
 ``content_sha256``). A file or folder at a companion's place is the store's own only while the store at
 ``store.path`` lists that very content under that role; anything else (no store there, a store that lists no such
 companion, content changed since) is not the run's to touch.

@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import run_log
 from .config import ConfigError
 from .config.schema import EngineConfig
 from .engine_startup import StartupPhases, describe
@@ -17,12 +19,15 @@ from .models.seeded import LOAD_FORMAT as SEEDED_LOAD_FORMAT
 from .packing import PackedRequest, group_cells
 from .payload import EngineSpec, plugin_fingerprint, unpack_results
 from .plugin import ENABLE_ENV
-from .request_build import EngineRequest
+from .request_build import EngineRequest, transported
 
 WORKER_EXTENSION = "interp_runner.plugin.runtime.InterpWorkerExtension"
 FORCED_TOKENS = "interp_runner.plugin.forcing:ForcedTokens"  # vLLM logits processor (teacher forcing)
 CPU_KV_CACHE_BYTES = 1 << 30
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+_caller_runner_env = os.environ.get(RUNNER_ENV)  # the caller's own choice, which ``auto`` leaves in place
+_in_process_engines: weakref.WeakSet = weakref.WeakSet()  # engines whose engine core runs in this process
 _batch_invariant_in_process: bool | None = None  # as set for the first engine of this process
 
 # vLLM sets this to 1 at its import, but only after that import has loaded torch's Inductor config, which reads it
@@ -94,6 +99,26 @@ def set_batch_invariant(enabled: bool) -> None:
     _batch_invariant_in_process = enabled
 
 
+def select_model_runner(choice: str) -> bool:
+    """Set vLLM's model runner for the next engine of this process (``engine.model_runner``): ``v1`` / ``v2``
+    force it, ``auto`` leaves vLLM's own pick (and the caller's ``VLLM_USE_V2_MODEL_RUNNER``). Returns whether V2
+    is forced: its sampler then forces tokens itself, as V2 refuses custom logits processors."""
+    if choice == "auto":
+        if _caller_runner_env is None:
+            os.environ.pop(RUNNER_ENV, None)
+        else:
+            os.environ[RUNNER_ENV] = _caller_runner_env
+    else:
+        os.environ[RUNNER_ENV] = "1" if choice == "v2" else "0"
+    import vllm.envs as envs
+
+    wanted = envs.environment_variables[RUNNER_ENV]()
+    if envs._is_envs_cache_enabled() and envs.VLLM_USE_V2_MODEL_RUNNER != wanted:
+        # an earlier engine of this process froze vLLM's environment: read it again for this one
+        envs.__getattr__.cache_clear()
+    return wanted is True
+
+
 def one_token_no_text(request: EngineRequest) -> bool:
     """A request that takes the bulk path: one generated token, no top-k log-probabilities."""
     return request.sampling.get("max_tokens") == 1 and not request.sampling.get("logprobs")
@@ -105,9 +130,7 @@ class VllmEngine:
     def __init__(self, model_path: str, cfg: EngineConfig, spec: EngineSpec, weights_seed: int | None = None):
         """``weights_seed``: seeded weights (``interp_runner.models.seeded``) instead of the folder's files."""
         os.environ[ENABLE_ENV] = "1"
-        # the planner drives GPUModelRunner; vLLM 0.26 would pick its V2 runner for dense models wherever
-        # Triton is installed (every GPU machine)
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        v2_forced = select_model_runner(cfg.model_runner)
         if cfg.tensor_parallel_size == 1:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         elif on_gpu():
@@ -128,10 +151,16 @@ class VllmEngine:
             seed=cfg.seed,
             worker_extension_cls=WORKER_EXTENSION,
             additional_config=spec.as_additional_config(),
-            logits_processors=[FORCED_TOKENS] if spec.force_tokens else None,
+            # teacher forcing: V1's logits processor (with it, vLLM's own pick is V1), or V2's sampler
+            logits_processors=[FORCED_TOKENS] if spec.force_tokens and not v2_forced else None,
+            # one KV-cache group even where sliding-window layers sit beside global ones (Gemma 2 / 3): the
+            # plugin's KV reads (kept KV, packed cells) address one block table; windows still apply per layer
+            disable_hybrid_kv_cache_manager=True,
         )
         if weights_seed is not None:
             kwargs.update(load_format=SEEDED_LOAD_FORMAT, model_loader_extra_config={"seed": weights_seed})
+        if run_log.installed() and not run_log.verbose():
+            kwargs["use_tqdm_on_load"] = False  # the console shows the runner's lines (``interp_runner.run_log``)
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
         if cfg.max_num_batched_tokens is not None:
@@ -153,9 +182,12 @@ class VllmEngine:
         self.llm = LLM(**kwargs)
         # the engine core and tensor-parallel workers this engine started: ``close`` waits for them to end
         self.processes = _child_pids() - before
+        if not self.processes:
+            _in_process_engines.add(self)
         # the worker runs in this process (results come back as they are, not packed)
         self.in_process = cfg.tensor_parallel_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self.status = self._check_plugin()
+        self.model_runner = self.status["model_runner"]  # the runner vLLM picked, as the workers report it
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
     def _check_plugin(self) -> dict:
@@ -168,6 +200,9 @@ class VllmEngine:
                 raise EngineError(f"interp plugin is not active on worker {rank}: {status}")
             if not status["runner_planned"]:
                 raise EngineError(f"worker {rank} uses a model runner the interp planner does not drive")
+            if status["model_runner"] != statuses[0]["model_runner"]:
+                raise EngineError(f"worker {rank} runs model runner {status['model_runner']}, worker 0 "
+                                  f"{statuses[0]['model_runner']}")
             if status["plugin"] != expected:
                 raise EngineError(f"worker {rank} runs plugin {status['plugin']}, this code is {expected}")
             if len(status["instrumented_layers"]) != num_layers:
@@ -256,7 +291,7 @@ class VllmEngine:
 
         def submissions():
             for r in single:
-                yield r.rid, list(r.prompt.token_ids), r.sampling, r
+                yield r.rid, list(r.prompt.token_ids), transported(r.sampling), r
             for group in groups:  # each packed request made as it is submitted
                 p = group.request()
                 yield p.rid, p.token_ids, p.sampling, p
@@ -388,10 +423,12 @@ class VllmEngine:
         import psutil
 
         core = getattr(self.llm.llm_engine, "engine_core", None)
-        # only an engine core of its own process: shutting down one in this process would tear down vLLM's
-        # process-wide parallel groups, which other engines alive in this process still use
-        if self.processes and core is not None and hasattr(core, "shutdown"):
+        # an engine core in this process is shut down (its GPU memory freed) only when it is the last one: the
+        # shutdown tears down vLLM's process-wide parallel groups, which other engines alive here still use
+        last_here = not self.processes and set(_in_process_engines) <= {self}
+        if (self.processes or last_here) and core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        _in_process_engines.discard(self)
         del self.llm
         gc.collect()
         procs = []

@@ -16,7 +16,7 @@ from .config.errors import ConfigError
 from .config.schema import RunBase
 from .engine import CPU_KV_CACHE_BYTES, on_gpu
 from .models.facts import ModelFacts
-from .payload import DECODE, PREFILL
+from .contracts import DECODE, PREFILL
 from .plan import Plan
 
 CPU_BLOCK_TOKENS = 128  # vllm/platforms/cpu.py: the block size of the CPU KV cache unless one is given
@@ -51,18 +51,19 @@ def check_plan_values(plan: Plan, cfg: RunBase, facts: ModelFacts) -> None:
     limit = DTYPE_MAX[dtype]
     largest, seen = 0.0, set()
     for request in plan.requests:
-        steer = (request.payload or {}).get("steer")
-        if not steer or repr(steer) in seen:
+        payload = request.payload
+        steer = payload.steer if payload is not None else ()
+        if not steer or steer in seen:
             continue
-        seen.add(repr(steer))
+        seen.add(steer)
         sums: dict[tuple, np.ndarray] = defaultdict(lambda: np.zeros(facts.hidden_size, dtype=np.float32))
         with np.errstate(over="ignore"):
-            for site, phases, key, scale in steer:
-                if key not in plan.vectors:  # derived from earlier stages' results (``Plan.derive_vectors``)
+            for term in steer:
+                if term.vector not in plan.vectors:  # derived from earlier stages' results (``Plan.derive_vectors``)
                     continue
                 for phase in (PREFILL, DECODE):
-                    if phases & phase:
-                        sums[site, phase] += plan.vectors[key] * np.float32(scale)
+                    if term.phases & phase:
+                        sums[term.site, phase] += plan.vectors[term.vector] * np.float32(term.scale)
         largest = max([largest] + [float(np.abs(v).max()) for v in sums.values()])
     if largest > limit:
         raise ConfigError.at("engine.dtype", f"steering adds up to {largest:.3g} at some site, beyond {dtype}'s range "

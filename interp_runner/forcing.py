@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from .config.errors import ConfigError
-from .payload import PAYLOAD_KEY, pack_positions
+from .contracts import PAYLOAD_KEY, RequestPayload
+from .payload import pack_positions
 
 WHERE = "sampling.teacher_forcing"
 
@@ -51,6 +52,6 @@ def force_generations(requests: Sequence, path: Path) -> None:
                                         f"sampling.max_tokens ({r.sampling['max_tokens']})")
         if not generated:
             continue
-        extra = r.sampling.get("extra_args") or {PAYLOAD_KEY: {"rid": r.rid}}
-        extra[PAYLOAD_KEY]["force"] = pack_positions(np.asarray(generated))
+        extra = r.sampling.get("extra_args") or {PAYLOAD_KEY: RequestPayload(r.rid)}
+        extra[PAYLOAD_KEY].force = pack_positions(np.asarray(generated))
         r.sampling["extra_args"] = extra

@@ -29,25 +29,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .payload import PAYLOAD_KEY, pack_positions
+from .contracts import PAYLOAD_KEY, Cells, PatchColumns, RequestPayload, encode_payload
 from .request_build import EngineRequest
-
-PACKABLE_KEYS = {"rid", "patch", "score", "kv", "kv_private", "start", "reuse"}
 
 
 @dataclass(frozen=True)
 class PackedRequest:
     rid: str
     token_ids: list[int]
-    sampling: dict  # the members' settings with the packed payload
+    sampling: dict  # the members' settings with the packed payload, encoded (``contracts.encode_payload``)
     members: tuple[EngineRequest, ...]
     prefix: int
 
 
-def _packable(request: EngineRequest, payload: dict) -> bool:
+def _packable(request: EngineRequest, payload: RequestPayload) -> bool:
+    """A cell: it patches and scores, has private KV, and nothing else (``start`` and ``reuse`` aside)."""
     sampling = request.sampling
     return (
-        payload.keys() <= PACKABLE_KEYS and "kv_private" in payload and "patch" in payload and "score" in payload
+        payload.kv_private is not None and payload.patch is not None and payload.score is not None
+        and payload.keep is None and not payload.steer and not payload.capture and payload.force is None
+        and payload.cells is None
         and sampling.get("max_tokens") == 1 and sampling.get("temperature") == 0 and not sampling.get("logprobs")
     )
 
@@ -56,7 +57,7 @@ def _packable(request: EngineRequest, payload: dict) -> bool:
 class CellGroup:
     """Cells that go into one packed request (made by ``request()``, when it is submitted)."""
 
-    members: tuple[tuple[EngineRequest, dict], ...]  # (cell, its payload)
+    members: tuple[tuple[EngineRequest, RequestPayload], ...]  # (cell, its payload)
     token_ids: tuple[int, ...]
     prefix: int
     stride: int
@@ -66,38 +67,35 @@ class CellGroup:
         """One request of the cells: the entries before ``prefix`` once (the same in every cell), each cell's own
         entries moved into its segment."""
         prefix, stride, members = self.prefix, self.stride, self.members
-        patches = [payload["patch"] for _, payload in members]
-        pos_bytes = [x["pos"] for x in patches]
+        patches = [payload.patch for _, payload in members]
+        pos_bytes = [x.positions for x in patches]
         cell = np.repeat(np.arange(len(pos_bytes)), [len(x) // 4 for x in pos_bytes])
         pos = np.frombuffer(b"".join(pos_bytes), dtype=np.int32)
         own = pos >= prefix
         chosen = own | (cell == 0)  # the first cell's entries before the prefix stand for every cell's
         where = np.flatnonzero(chosen)
         moved = (pos + np.where(own, cell * stride, 0))[where]
-        site, a, b = (np.frombuffer(b"".join([x[f] for x in patches]), dtype=dtype)[where]
-                      for f, dtype in (("site", np.int32), ("a", np.float32), ("b", np.float32)))
-        keys = [key for x in patches for key in x["src"]]
+        site, keep, take = (np.frombuffer(b"".join([getattr(x, f) for x in patches]), dtype=dtype)[where]
+                            for f, dtype in (("sites", np.int32), ("value_weights", np.float32),
+                                             ("source_weights", np.float32)))
+        keys = [key for x in patches for key in x.sources]
         keys = keys if len(where) == len(keys) else [keys[i] for i in where.tolist()]
         first = members[0][0]
         n = len(self.token_ids)
-        payload = {
-            "rid": f"packed:{first.rid}",
-            "patch": {"site": site.tobytes(), "pos": moved.astype(np.int32).tobytes(), "src": keys,
-                      "a": a.tobytes(), "b": b.tobytes()},
-            "kv": [list(x) for x in self.shared],
-            "kv_private": prefix,
-            "cells": {"rids": [r.rid for r, _ in members], "prefix": prefix, "stride": stride,
-                      "length": n - prefix, "score": [x["score"] for _, x in members]},
-        }
-        starts = [x.get("start") for _, x in members]
-        if any(starts):
-            payload["cells"]["start"] = starts
-        reuse = [x.get("reuse") for _, x in members]
-        if any(reuse):
-            payload["cells"]["reuse"] = reuse
+        starts = tuple(x.start for _, x in members)
+        reuses = tuple(x.reuse for _, x in members)
+        cells = Cells(tuple(r.rid for r, _ in members), prefix, stride, n - prefix,
+                      tuple(x.score for _, x in members), starts if any(starts) else None,
+                      reuses if any(reuses) else None)
+        payload = RequestPayload(
+            f"packed:{first.rid}",
+            patch=PatchColumns(site.tobytes(), moved.astype(np.int32).tobytes(), tuple(keys), keep.tobytes(),
+                               take.tobytes()),
+            kv=self.shared, kv_private=prefix, cells=cells,
+        )
         segment = list(self.token_ids[prefix:]) + [self.token_ids[-1]] * (stride - (n - prefix))
-        sampling = {**first.sampling, "extra_args": {PAYLOAD_KEY: payload}}
-        return PackedRequest(payload["rid"], list(self.token_ids[:prefix]) + segment * len(members), sampling,
+        sampling = {**first.sampling, "extra_args": {PAYLOAD_KEY: encode_payload(payload)}}
+        return PackedRequest(payload.rid, list(self.token_ids[:prefix]) + segment * len(members), sampling,
                              tuple(r for r, _ in members), prefix)
 
 
@@ -105,7 +103,7 @@ def group_cells(requests: Sequence[EngineRequest], block_size: int, max_tokens: 
                 ) -> tuple[list[CellGroup], list[EngineRequest]]:
     """(groups of cells, one packed request each, in the order of their first cell; requests left as they are).
     A group holds at most ``max_tokens`` tokens and at least two cells."""
-    groups: dict[tuple, list[tuple[EngineRequest, dict]]] = {}
+    groups: dict[tuple, list[tuple[EngineRequest, RequestPayload]]] = {}
     prompts: dict[int, tuple[int, ...]] = {}  # cells of a fact share their prompt's token tuple: keyed by its id
     single: list[EngineRequest] = []
     for r in requests:
@@ -113,8 +111,8 @@ def group_cells(requests: Sequence[EngineRequest], block_size: int, max_tokens: 
         if payload is None or not _packable(r, payload):
             single.append(r)
             continue
-        prefix = payload["kv_private"] // block_size * block_size
-        shared = tuple(tuple(x) for x in payload["kv"] if x[0] < prefix)
+        prefix = payload.kv_private // block_size * block_size
+        shared = tuple(x for x in payload.kv if x.start < prefix)
         settings = tuple((k, v) for k, v in r.sampling.items() if k != "extra_args")  # made in one order
         token_ids = r.prompt.token_ids
         prompts.setdefault(id(token_ids), token_ids)

@@ -1,10 +1,11 @@
 """Activation patching: ``patching:`` entries -> patched copies of their destination prompts (plan side).
 
-A patched copy runs in stage 1 with entries (site, position, source key, a, b): the value there becomes
-``a * value + b * source`` with (a, b) = (1 - alpha, alpha). Sources are vectors (or zeros) known now, or values
-captured from another prompt's stage-0 run, named by a reference key that holds a digest of that run (its tokens
-and steering), so equal keys always mean the same computation. Each destination also gets an unpatched copy in
-stage 1: compared with its stage-0 run, it measures how much batching alone moves a score (the noise floor).
+A patched copy runs in stage 1 with entries (site, position, source key, value weight, source weight): the value
+there becomes ``value weight * value + source weight * source``, the weights (1 - alpha, alpha). Sources are
+vectors (or zeros) known now, or values captured from another prompt's stage-0 run, named by a reference key that
+holds a digest of that run (its tokens and steering), so equal keys always mean the same computation. Each
+destination also gets an unpatched copy in stage 1: compared with its stage-0 run, it measures how much batching
+alone moves a score (the noise floor).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from .config.errors import ConfigError
 from .config.schema import Span
+from .contracts import Keep, KeepGroup, Steer
 from .payload import digest, pack_positions, ref_key, vector_key
 from .prompt_set import prompt_rid
 from .selectors import distinct_positions, parse_layers, parse_prompts
@@ -37,7 +39,7 @@ class Patching:
     copies: list[PatchCopy] = field(default_factory=list)
     sources: dict[str, np.ndarray] = field(default_factory=dict)
     refs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
-    keep: dict[int, dict] = field(default_factory=dict)  # source prompt index -> its payload's "keep"
+    keep: dict[int, Keep] = field(default_factory=dict)  # source prompt index -> its payload's ``keep``
     skipped: list[dict] = field(default_factory=list)
 
 
@@ -89,16 +91,18 @@ def align(source_ids, dest_ids, positions) -> tuple[list[tuple[int, int]], list[
     return mapped, skipped
 
 
-def run_digest(prompt, steer: list) -> str:
-    return digest([list(prompt.token_ids), sorted(steer)])
+def run_digest(prompt, interventions: list) -> str:
+    """A digest of a run's tokens and interventions (``Steer`` terms, or patch entries as tuples)."""
+    terms = [[t.site, t.phases, t.vector, t.scale] if isinstance(t, Steer) else list(t) for t in interventions]
+    return digest([list(prompt.token_ids), sorted(terms)])
 
 
-def keep_groups(wanted: dict[int, set[int]]) -> list:
-    """{site: positions} -> ``keep`` groups ``[sites, positions]``, sites with the same positions together."""
+def keep_groups(wanted: dict[int, set[int]]) -> tuple[KeepGroup, ...]:
+    """{site: positions} -> ``keep`` groups, sites with the same positions together."""
     by_positions: dict[tuple, list[int]] = defaultdict(list)
     for site, positions in sorted(wanted.items()):
         by_positions[tuple(sorted(positions))].append(site)
-    return [[sites, pack_positions(list(positions))] for positions, sites in by_positions.items()]
+    return tuple(KeepGroup(tuple(sites), pack_positions(list(positions))) for positions, sites in by_positions.items())
 
 
 def compile_patching(cfg, prompts, facts, tokenizer, named, base, steer) -> Patching:
@@ -147,6 +151,6 @@ def compile_patching(cfg, prompts, facts, tokenizer, named, base, steer) -> Patc
             if d not in with_baseline:
                 with_baseline.add(d)
                 out.copies.append(PatchCopy(i, d, "baseline", None, []))
-    out.keep = {index: {"run": run_digest(prompts[index], steer[index]), "groups": keep_groups(sites)}
+    out.keep = {index: Keep(run_digest(prompts[index], steer[index]), keep_groups(sites))
                 for index, sites in wanted.items()}
     return out

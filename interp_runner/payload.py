@@ -1,25 +1,7 @@
-"""The per-request payload carried in ``SamplingParams.extra_args[PAYLOAD_KEY]``, and the engine-wide spec.
+"""Helpers of the payload (``interp_runner.contracts``): keys, digests, packed columns, and the engine-wide spec.
 
-This module is the contract between the compiler (runner side) and the plugin (engine side); it is pure data.
-
-Request payload (msgpack-able)::
-
-    {"rid": "r00003",                                   # stable id of the request in the plan
-     "steer": [[site, phases, vector_key, scale], ...], # phases: PREFILL | DECODE bit mask
-     "capture": [[sites, prompt_positions, generated]], # prompt_positions: int32 bytes
-     "keep": {"run": run_digest,                        # values kept on the workers as patch sources,
-              "groups": [[sites, prompt_positions]],    #   keyed ref_key(run, site, position)
-              "kv": True},                              #   and its prompt's KV, keyed kv_key(run)
-     "patch": {"site": int32 bytes, "pos": int32 bytes, # one entry per (site, position):
-               "src": [source_key, ...],                #   value <- a * value + b * source
-               "a": float32 bytes, "b": float32 bytes},
-     "score": int32 bytes,                              # token ids scored after the last prompt token
-     "kv": [[start, end, digest], ...],                 # what changes the KV of positions [start, end)
-     "kv_private": int,                                 # KV from here on is this request's alone
-     "start": [layer, run_digest],                      # its own positions may skip the layers before
-                                                        #   ``layer``: there they equal the run's
-     "reuse": [run_digest, position],                   # its positions before ``position`` equal the run's
-     "force": int32 bytes}                              # the tokens it generates, in order (teacher forcing)
+The records themselves (``RequestPayload`` and its parts, ``PluginSpec``) are ``interp_runner.contracts``'s; this
+module holds what both sides compute from them. Pure data, free of torch and vLLM.
 
 Steering vectors are registered on the workers once per engine, keyed by the sha256 of their float32 bytes;
 patch sources likewise, in a bank of rows that stays on the workers while requests use them. A source key may be
@@ -28,10 +10,10 @@ request's ``keep`` has the workers copy it into the bank on the device, in the s
 stays until the runner releases the key.
 ``kv`` ranges (end -1: open) feed the prefix-cache block hashes, so KV is shared only between requests whose
 interventions up to the end of a block are the same; blocks reaching past ``kv_private`` are never shared.
-``start`` says that below ``layer`` the request computes what the run ``run_digest`` computes at the same positions
+``start`` says that below its ``layer`` the request computes what its ``run`` computes at the same positions
 (a causal-trace cell restores nothing below its lowest restored layer): where the engine runs cells packed, their
 segments enter the model at ``layer`` with the residual stream the run keeps there (``keep`` at ``pre_attn`` of
-that layer), and skip the layers below. ``reuse`` says the same of its positions before ``position``, at every
+that layer), and skip the layers below. ``reuse`` says the same of its positions before its ``position``, at every
 layer: packed, a cell computes none of them; the KV its run keeps (``keep`` with ``kv``) is copied into their slots.
 """
 
@@ -45,11 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-PAYLOAD_KEY = "interp"
+from .contracts import PluginSpec, spec_config
+
 REF_PREFIX = "ref:"
-ENGINE_KEY = "interp"
-PREFILL = 1
-DECODE = 2
 
 
 KV_PREFIX = "kv:"
@@ -140,17 +120,9 @@ class EngineSpec:
     force_tokens: bool = False  # some request's payload has ``force``: the sampler's processor is loaded
 
     def as_additional_config(self) -> dict:
-        return {
-            ENGINE_KEY: {
-                "plugin": plugin_fingerprint(),
-                "steer_sites": list(self.steer_sites),
-                "capture_sites": list(self.capture_sites),
-                "patch_sites": list(self.patch_sites),
-                "bank_rows": int(self.bank_rows),
-                "kv_rows": int(self.kv_rows),
-                "kv_runs": int(self.kv_runs),
-            }
-        }
+        return spec_config(PluginSpec(plugin_fingerprint(), tuple(self.steer_sites), tuple(self.capture_sites),
+                                      tuple(self.patch_sites), int(self.bank_rows), int(self.kv_rows),
+                                      int(self.kv_runs)))
 
     def union(self, other: EngineSpec) -> EngineSpec:
         """A spec with the sites of both and the larger bank."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import xarray as xr
 
-from . import provenance
+from . import provenance, run_log
 from .config import ConfigError
 from .config.schema import resolve_path
 from .engine import EngineError, EnginePool, on_gpu, one_token_no_text
@@ -26,6 +26,8 @@ from .kinds import kind_for
 from .kinds.base import Kind
 from .models import seeded
 from .models.facts import ModelFacts, UnsupportedModel, embedding_rows
+from .models.hook_check import check_config_hooks, check_plan_hooks
+from .models.layouts import layout_for
 from .models.materialize import model_path
 from .plan import Plan
 from .progress import StageProgress, on_terminal
@@ -67,11 +69,15 @@ def prepare(config: dict, base: Path | None = None) -> Prepared:
     try:
         weights_seed = cfg.model.weights_seed()
         facts = ModelFacts.from_folder(folder, weights_seed)
+        check_config_hooks(cfg, layout_for(facts.architecture))
         check_engine(cfg, facts)
         tokenizer = load_tokenizer(folder, cfg.prompts.chat_template)
         rows = (lambda ids: embedding_rows(folder, ids)) if weights_seed is None else (
             lambda ids: seeded.embedding_rows(folder, weights_seed, ids))
         plan = kind.compile(cfg, facts, tokenizer, base, rows)
+        spec = plan.engine_spec
+        check_plan_hooks(spec.steer_sites + spec.capture_sites + spec.patch_sites, layout_for(facts.architecture),
+                         "model.path" if cfg.model.path else "model.name")
     except (UnsupportedModel, TokenizerError) as err:
         raise ConfigError.at(getattr(err, "key", None) or ("model.path" if cfg.model.path else "model.name"),
                              str(err)) from None
@@ -90,7 +96,8 @@ def _runnable(request: EngineRequest, by_rid: dict, results: dict) -> bool:
 
 def _keeps(request: EngineRequest) -> bool:
     """Whether the request keeps values on the workers (patch sources of later stages)."""
-    return bool((request.payload or {}).get("keep"))
+    payload = request.payload
+    return payload is not None and payload.keep is not None
 
 
 MIN_UNIT, MAX_UNITS = 1024, 16
@@ -137,7 +144,8 @@ def execute(engine, plan: Plan, log: Callable[[str], None] = print, use_tqdm: bo
             held = [r for r in plan.requests if r.stage == stage]
             if len(requests) < len(held):
                 log(f"stage {stage}: {len(held) - len(requests)} requests left out (their clean run missed the answer)")
-            keys = {k for r in requests for k in ((r.payload or {}).get("patch") or {}).get("src", ())}
+            keys = {k for r in requests if r.payload is not None and r.payload.patch is not None
+                    for k in r.payload.patch.sources}
             sources = {k: plan.sources[k] for k in keys if k in plan.sources}
             engine.register_sources(sources)
             size = unit or unit_size(len(requests))
@@ -257,6 +265,7 @@ def run(
     claim = claim_store(store_path, resume=cfg.resume, overwrite=cfg.store.overwrite, log=log)
     journal = claim.begin(manifest)
     staged = claim.staged
+    run_log.begin(claim.target.staging(claim.target.log))  # where the CLI keeps library logs: moved with the store
     own_pool = engines is None  # an engine built for this run alone is shut down before it returns
     try:
         if own_pool:
@@ -292,6 +301,7 @@ def run(
             STATUS_COMPLETE,
             finished_at=provenance.now(),
             engine={"dtype": engine.dtype, "plugin_status": engine.status, "reused": reused,
+                    "model_runner": getattr(engine, "model_runner", None),  # the runner that ran: v1 | v2
                     "intervention_checksums": getattr(engine, "checksums", []),
                     "builds_in_process": engines.builds, "runs_in_process": engines.runs,
                     **({} if reused or engines.startup is None else {"startup": engines.startup})},
@@ -300,8 +310,10 @@ def run(
             timings=timings,
         )
         write_report(staged, claim.target.staging(claim.target.report))  # of the complete store, moved with it
+        run_log.end()  # the log is complete before the store lists it
         claim.publish()
     except BaseException as err:
+        run_log.end()
         claim.fail(err, finished_at=provenance.now())
         raise
     finally:

@@ -1,4 +1,4 @@
-"""Engine requests: the record, its payload (``interp_runner.payload``) and prefix-cache ranges, and the passes over
+"""Engine requests: the record, its payload (``contracts.RequestPayload``) and prefix-cache ranges, and the passes over
 a plan's requests (private KV, engine sites, the request hash). Below every experiment kind; no engine needed.
 
 A plan of a large causal trace holds hundreds of thousands of requests made of a few recurring groups of patch
@@ -17,7 +17,11 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from .payload import DECODE, PAYLOAD_KEY, PREFILL, EngineSpec, digest, pack_positions, unpack_positions
+from .contracts import (
+    DECODE, PAYLOAD_KEY, PREFILL, Capture, Keep, KvRange, PatchColumns, RequestPayload, ReuseKv, StartLayer, Steer,
+    encode_payload,
+)
+from .payload import EngineSpec, digest, pack_positions, unpack_positions
 
 
 @dataclass(frozen=True)
@@ -33,34 +37,44 @@ class Prompt:
 class EngineRequest:
     rid: str
     prompt: Prompt
-    sampling: dict  # SamplingParams keyword arguments, payload included
+    sampling: dict  # SamplingParams keyword arguments, payload (a RequestPayload) included
     stage: int = 0
     role: str = "prompt"  # prompt | patched | baseline (an unpatched destination beside patched ones)
     meta: dict = field(default_factory=dict)  # what the request stands for in its experiment
     condition: str | None = None  # run only if this request's top token is its answer (ROME's filter)
 
     @property
-    def payload(self) -> dict | None:
+    def payload(self) -> RequestPayload | None:
         extra = self.sampling.get("extra_args")
         return extra.get(PAYLOAD_KEY) if extra else None
 
     @property
-    def kv_ranges(self) -> list:
-        return (self.payload or {}).get("kv", [])
+    def kv_ranges(self) -> tuple[KvRange, ...]:
+        payload = self.payload
+        return payload.kv if payload is not None else ()
 
     def sampling_params(self):
         from vllm import SamplingParams
 
-        return SamplingParams(**self.sampling)
+        return SamplingParams(**transported(self.sampling))
 
     def engine_prompt(self) -> dict:
         return {"prompt_token_ids": list(self.prompt.token_ids)}
 
 
+def transported(sampling: dict) -> dict:
+    """``SamplingParams`` keyword arguments as the engine gets them: the payload as its encoded bytes
+    (``contracts.encode_payload``), in an ``extra_args`` of its own."""
+    extra = sampling.get("extra_args")
+    if not extra:
+        return sampling
+    return {**sampling, "extra_args": {**extra, PAYLOAD_KEY: encode_payload(extra[PAYLOAD_KEY])}}
+
+
 @lru_cache(maxsize=1 << 16)
 def _entry_json(entry: tuple) -> str:
-    """One patch entry (site, key, a, b) as ``payload.digest`` writes it (the restores of overlapping layer windows
-    share entries)."""
+    """One patch entry (site, key, value weight, source weight) as ``payload.digest`` writes it (the restores of
+    overlapping layer windows share entries)."""
     return json.dumps(entry, separators=(",", ":"))
 
 
@@ -71,31 +85,30 @@ def _position_digest(pairs: tuple) -> str:
 
 
 class Patch(NamedTuple):
-    """Patch entries (site, position, source key, a, b) as the payload's columns, with each touched position's
-    prefix-cache range: a group of entries is encoded once however many requests carry it. ``joined`` and
-    ``overlaid`` make a request's entries from groups, re-hashing only the positions both groups touch."""
+    """Patch entries (site, position, source key, value weight, source weight) as the payload's columns
+    (``contracts.PatchColumns``), with each touched position's prefix-cache range: a group of entries is encoded
+    once however many requests carry it. ``joined`` and ``overlaid`` make a request's entries from groups,
+    re-hashing only the positions both groups touch."""
 
-    entries: tuple  # (site, position, key, a, b), in column order
-    site: bytes  # int32
-    pos: bytes  # int32
-    src: tuple  # source keys
-    a: bytes  # float32
-    b: bytes  # float32
-    at: dict  # position -> its ((site, key, a, b), JSON) pairs, sorted
-    ranges: dict  # position -> [position, position + 1, digest of its entries]
+    entries: tuple  # (site, position, key, value weight, source weight), in column order
+    columns: PatchColumns
+    at: dict  # position -> its ((site, key, value weight, source weight), JSON) pairs, sorted
+    ranges: dict  # position -> KvRange(position, position + 1, digest of its entries)
 
     @classmethod
     def of(cls, entries: Iterable = ()) -> Patch:
-        entries = tuple((int(site), int(pos), key, float(a), float(b)) for site, pos, key, a, b in entries)
+        entries = tuple((int(site), int(pos), key, float(keep), float(take)) for site, pos, key, keep, take in entries)
         grouped: dict[int, list] = {}
-        for site, pos, key, a, b in entries:
-            entry = (site, key, a, b)
+        for site, pos, key, keep, take in entries:
+            entry = (site, key, keep, take)
             grouped.setdefault(pos, []).append((entry, _entry_json(entry)))
         at = {pos: tuple(sorted(pairs)) for pos, pairs in grouped.items()}
-        sites, positions, keys, a, b = zip(*entries) if entries else ((),) * 5
-        return cls(entries, pack_positions(sites), pack_positions(positions), keys,
-                   np.asarray(a, dtype=np.float32).tobytes(), np.asarray(b, dtype=np.float32).tobytes(),
-                   at, {pos: [pos, pos + 1, _position_digest(pairs)] for pos, pairs in at.items()})
+        sites, positions, keys, keep, take = zip(*entries) if entries else ((),) * 5
+        columns = PatchColumns(pack_positions(sites), pack_positions(positions), tuple(keys),
+                               np.asarray(keep, dtype=np.float32).tobytes(),
+                               np.asarray(take, dtype=np.float32).tobytes())
+        ranges = {pos: KvRange(pos, pos + 1, _position_digest(pairs)) for pos, pairs in at.items()}
+        return cls(entries, columns, at, ranges)
 
     def joined(self, other: Patch) -> Patch:
         """These entries, then ``other``'s."""
@@ -103,9 +116,12 @@ class Patch(NamedTuple):
         if len(at) < len(self.at) + len(other.at):  # positions both patch
             for pos in self.at.keys() & other.at.keys():
                 at[pos] = tuple(sorted(self.at[pos] + other.at[pos]))
-                ranges[pos] = [pos, pos + 1, _position_digest(at[pos])]
-        return Patch(self.entries + other.entries, self.site + other.site, self.pos + other.pos,
-                     self.src + other.src, self.a + other.a, self.b + other.b, at, ranges)
+                ranges[pos] = KvRange(pos, pos + 1, _position_digest(at[pos]))
+        mine, theirs = self.columns, other.columns
+        columns = PatchColumns(mine.sites + theirs.sites, mine.positions + theirs.positions,
+                               mine.sources + theirs.sources, mine.value_weights + theirs.value_weights,
+                               mine.source_weights + theirs.source_weights)
+        return Patch(self.entries + other.entries, columns, at, ranges)
 
     def overlaid(self, top: Patch) -> Patch:
         """These entries less those at a (site, position) that ``top`` patches, then ``top``'s: ``top`` wins."""
@@ -115,25 +131,22 @@ class Patch(NamedTuple):
             under = Patch.of(e for e in self.entries if (e[0], e[1]) not in covered)
         return under.joined(top)
 
-    def payload(self) -> dict:
-        return {"site": self.site, "pos": self.pos, "src": list(self.src), "a": self.a, "b": self.b}
-
-    def kv_ranges(self) -> list:
+    def kv_ranges(self) -> list[KvRange]:
         return [self.ranges[pos] for pos in sorted(self.ranges)]
 
 
 NO_PATCH = Patch.of()
 
 
-def kv_ranges(steer: list, patch: Patch, prompt_len: int) -> list:
+def kv_ranges(steer: Sequence[Steer], patch: Patch, prompt_len: int) -> list[KvRange]:
     """What changes the KV of which positions (see ``interp_runner.plugin.prefix_cache``)."""
     if not steer:
         return patch.kv_ranges()
     ranges = []
     for phase, start, end in ((PREFILL, 0, prompt_len), (DECODE, prompt_len, -1)):
-        terms = sorted([site, key, scale] for site, phases, key, scale in steer if phases & phase)
+        terms = sorted([s.site, s.vector, s.scale] for s in steer if s.phases & phase)
         if terms:
-            ranges.append([start, end, digest(terms)])
+            ranges.append(KvRange(start, end, digest(terms)))
     return ranges + patch.kv_ranges()
 
 
@@ -146,50 +159,40 @@ def make_request(
     rid: str,
     prompt: Prompt,
     s,
-    steer: list = (),
-    capture: list = (),
+    steer: Sequence[Steer] = (),
+    capture: Sequence[Capture] = (),
     patch: Patch = NO_PATCH,
     stage: int = 0,
     role: str = "prompt",
     meta: dict | None = None,
     condition: str | None = None,
     max_tokens: int | None = None,
-    keep: dict | None = None,
-    start: list | None = None,
-    reuse: list | None = None,
+    keep: Keep | None = None,
+    start: StartLayer | None = None,
+    reuse: ReuseKv | None = None,
 ) -> EngineRequest:
-    """One engine request; ``keep``: values the workers keep as patch sources; ``start``: [layer, run] below which
-    it computes what ``run`` does; ``reuse``: [run, position] before which it does (``interp_runner.payload``)."""
-    payload: dict = {"rid": rid}
-    if start is not None:
-        payload["start"] = list(start)
-    if reuse is not None:
-        payload["reuse"] = list(reuse)
-    if steer:
-        payload["steer"] = list(steer)
-    if capture:
-        payload["capture"] = list(capture)
-    if keep:
-        payload["keep"] = keep
-    if patch.entries:
-        payload["patch"] = patch.payload()
-    if prompt.answer_ids:
-        payload["score"] = _packed_ids(prompt.answer_ids)
+    """One engine request; ``keep``: values the workers keep as patch sources; ``start``: the layer below which it
+    computes what a run does; ``reuse``: the position before which it does (``interp_runner.contracts``)."""
     n = len(prompt.token_ids)
-    ranges = kv_ranges(steer, patch, n)
-    if ranges:
-        payload["kv"] = ranges
+    steer, capture = tuple(steer), tuple(capture)
+    payload = RequestPayload(
+        rid, patch=patch.columns if patch.entries else None,
+        score=_packed_ids(prompt.answer_ids) if prompt.answer_ids else None,
+        kv=tuple(kv_ranges(steer, patch, n)), start=start, reuse=reuse, keep=keep or None, steer=steer,
+        capture=capture,
+    )
+    has_payload = bool(patch.entries or prompt.answer_ids or payload.kv or start or reuse or keep or steer or capture)
     # a captured (or kept) prompt position other than the last would be skipped by a prefix-cache hit
-    read = [positions for _, positions, _ in capture] + [positions for _, positions in (keep or {}).get("groups", ())]
+    read = [c.positions for c in capture] + [g.positions for g in (keep.groups if keep else ())]
     reads_prompt = any(unpack_positions(positions).min(initial=n) < n - 1 for positions in read) \
-        or bool((keep or {}).get("kv"))
+        or bool(keep and keep.kv)
     sampling = {
         "max_tokens": s.max_tokens if max_tokens is None else max_tokens,
         "temperature": s.temperature,
         "top_p": s.top_p,
         "seed": s.seed + prompt.index,
         "logprobs": s.logprobs if s.logprobs is not None else 0,
-        "extra_args": {PAYLOAD_KEY: payload} if len(payload) > 1 else None,
+        "extra_args": {PAYLOAD_KEY: payload} if has_payload else None,
         "skip_reading_prefix_cache": True if reads_prompt else None,
     }
     return EngineRequest(rid, prompt, sampling, stage, role, meta or {}, condition)
@@ -206,21 +209,21 @@ def mark_private_kv(requests: Sequence[EngineRequest]) -> None:
     chains: list[tuple] = []  # per request with ranges: (its payload, [(chain, start) per range, starts ascending])
     for r in requests:
         payload = r.payload
-        ranges = payload.get("kv") if payload else None
+        ranges = payload.kv if payload is not None else None
         if not ranges:
             continue
         chain, walked = -1, []
-        for start, end, d in sorted(ranges):
-            chain = chain_of.setdefault((chain, start, end, d), len(chain_of))
+        for kv in sorted(ranges):
+            chain = chain_of.setdefault((chain, kv), len(chain_of))
             if chain == len(counts):
                 counts.append(0)
             counts[chain] += 1
-            walked.append((chain, start))
+            walked.append((chain, kv.start))
         chains.append((payload, walked))
     for payload, walked in chains:
         for chain, start in walked:  # a chain longer than a private one is private
             if counts[chain] == 1:
-                payload["kv_private"] = start
+                payload.kv_private = start
                 break
 
 
@@ -232,18 +235,18 @@ def engine_spec_of(requests: Sequence[EngineRequest], bank_rows: int) -> EngineS
         p = r.payload
         if p is None:
             continue
-        if "steer" in p:
-            steer.update(e[0] for e in p["steer"])
-        if "capture" in p:
-            capture.update(s for e in p["capture"] for s in e[0])
-        if p.get("keep"):
-            capture.update(s for e in p["keep"].get("groups", ()) for s in e[0])  # kept through captures
-            if p["keep"].get("kv"):
+        if p.steer:
+            steer.update(e.site for e in p.steer)
+        if p.capture:
+            capture.update(s for e in p.capture for s in e.sites)
+        if p.keep is not None:
+            capture.update(s for g in p.keep.groups for s in g.sites)  # kept through captures
+            if p.keep.kv:
                 kv_rows += len(r.prompt.token_ids)
                 kv_runs += 1
-        if "patch" in p:
-            site_columns.add(p["patch"]["site"])  # few distinct ones: decoded once each
-        forces = forces or "force" in p
+        if p.patch is not None:
+            site_columns.add(p.patch.sites)  # few distinct ones: decoded once each
+        forces = forces or p.force is not None
     patch = {site for column in site_columns for site in unpack_positions(column).tolist()}
     return EngineSpec(tuple(sorted(steer)), tuple(sorted(capture)), tuple(sorted(patch)), bank_rows, kv_rows, kv_runs,
                       forces)

@@ -43,16 +43,20 @@ def overflow_reason(total: float) -> str:
 
 def _signature(request) -> tuple:
     """What a request computes its prompt's rows from: the same for requests whose KV the prefix cache shares."""
-    payload = request.payload or {}
-    return tuple(request.prompt.token_ids), repr(payload.get("steer")), repr(payload.get("patch"))
+    payload = request.payload
+    if payload is None:
+        return tuple(request.prompt.token_ids), (), None
+    return tuple(request.prompt.token_ids), payload.steer, payload.patch
 
 
 def _sources(request, refs: dict) -> set[str]:
     """The requests whose kept values or KV ``request`` reads (``Plan.refs``)."""
-    payload = request.payload or {}
-    keys = list((payload.get("patch") or {}).get("src", ()))
-    runs = [payload["start"][1]] if payload.get("start") else []
-    runs += [payload["reuse"][0]] if payload.get("reuse") else []
+    payload = request.payload
+    if payload is None:
+        return set()
+    keys = list(payload.patch.sources) if payload.patch is not None else []
+    runs = [payload.start.run] if payload.start is not None else []
+    runs += [payload.reuse.run] if payload.reuse is not None else []
     keys += [kv_key(run) for run in runs]
     return {refs[k][0] for k in keys if k in refs}
 

@@ -10,7 +10,8 @@ import numpy as np
 from .config.errors import ConfigError
 from .config.schema import CaptureSpec, RunBase, Tiers
 from .models.facts import ModelFacts
-from .payload import DECODE, PREFILL, pack_positions, vector_key
+from .contracts import DECODE, PREFILL, Capture, Steer
+from .payload import pack_positions, vector_key
 from .plan import CaptureLayout
 from .request_build import Prompt
 from .result_flags import FLOAT32_MAX, overflow_reason, squares
@@ -30,7 +31,7 @@ def load_named_vectors(cfg: RunBase, facts: ModelFacts, base: Path | None) -> di
 def compile_steering(cfg: RunBase, prompts: list[Prompt], facts: ModelFacts, named: dict, base: Path | None):
     """(vectors by key, steering entries per prompt index)."""
     vectors: dict[str, np.ndarray] = {}
-    steer: dict[int, list] = {p.index: [] for p in prompts}
+    steer: dict[int, list[Steer]] = {p.index: [] for p in prompts}
 
     def add_tiers(tiers: Tiers, where: str, targets: list[int]) -> None:
         for tier_name, phases in TIER_PHASES.items():
@@ -46,7 +47,7 @@ def compile_steering(cfg: RunBase, prompts: list[Prompt], facts: ModelFacts, nam
                 key = vector_key(vec)
                 vectors[key] = vec
                 for layer in parse_layers(term.layer, facts.num_layers, path + ".layer"):
-                    entry = [site_id(layer, hook), phases, key, float(term.scale)]
+                    entry = Steer(site_id(layer, hook), phases, key, float(term.scale))
                     for target in targets:
                         steer[target].append(entry)
 
@@ -72,7 +73,7 @@ def _capture_positions(spec: CaptureSpec, prompt: Prompt, where: str) -> tuple[l
 
 def compile_capture(cfg: RunBase, prompts: list[Prompt], facts: ModelFacts):
     """(capture groups per prompt index, store layouts)."""
-    capture: dict[int, list] = {p.index: [] for p in prompts}
+    capture: dict[int, list[Capture]] = {p.index: [] for p in prompts}
     layouts = []
     for c, spec in enumerate(cfg.capture):
         where = f"capture[{c}]"
@@ -81,6 +82,6 @@ def compile_capture(cfg: RunBase, prompts: list[Prompt], facts: ModelFacts):
         sites = [site_id(layer, hook) for hook in spec.hooks for layer in layers]
         for index in targets:
             positions, generated = _capture_positions(spec, prompts[index], where)
-            capture[index].append([sites, pack_positions(positions), generated])
+            capture[index].append(Capture(tuple(sites), pack_positions(positions), generated))
         layouts.append(CaptureLayout(spec.name, tuple(spec.hooks), tuple(layers), spec.dtype, tuple(targets)))
     return capture, layouts

@@ -8,9 +8,11 @@ one folder never share one):
 - ``<parent>/<name>.exports/``: files its kind writes for other tools (vectors as .safetensors / .gguf, ...), moved
   there with it (its ``exports`` attribute lists them);
 - ``<parent>/<name>.report.html``: its report (``interp_runner.report``), moved there with it;
+- ``<parent>/<name>.log``: the libraries' log lines and the runner's (``interp_runner.run_log``), moved there with it;
 - ``<parent>/.<name>.partial/``: the run while it goes: ``<name>`` (the store, status ``running`` or ``failed``),
-  ``<name>.figures/``, ``<name>.exports/``, ``<name>.report.html`` and ``journal/`` (``interp_runner.journal``);
-  what ``resume=true`` continues (moved with the store path, it resumes there: the run key leaves the path out);
+  ``<name>.figures/``, ``<name>.exports/``, ``<name>.report.html``, ``<name>.log`` and ``journal/``
+  (``interp_runner.journal``); what ``resume=true`` continues (moved with the store path, it resumes there: the run
+  key leaves the path out);
 - ``<parent>/.<name>.lock``: the lock held for the whole run (``interp_runner.store_lock``).
 
 A run deletes or replaces nothing it did not create, unless ``store.overwrite`` is true: then an existing store
@@ -80,9 +82,13 @@ class StoreTarget:
         return self.path.parent / f"{self.path.name}.report.html"
 
     @property
+    def log(self) -> Path:
+        return self.path.parent / f"{self.path.name}.log"
+
+    @property
     def roles(self) -> dict[str, Path]:
         """What goes beside the store and belongs to it, by role (``interp_runner.companions``)."""
-        return {"figures": self.figures, "exports": self.exports, "report": self.report}
+        return {"figures": self.figures, "exports": self.exports, "report": self.report, "log": self.log}
 
     @property
     def companions(self) -> tuple[Path, ...]:

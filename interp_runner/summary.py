@@ -1,5 +1,5 @@
 """A short human summary of a finished store: a header, the lines its experiment kind gives, where its figures,
-exports, report and the store itself are (each path once)."""
+exports, log, report and the store itself are (each path once)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ def print_summary(store: Path) -> None:
     for what in ("figures", "exports"):
         for path in attrs.get(what, [])[:1]:
             print(f"  {what}: {Path(path).parent}")
-    report = StoreTarget.at(store).report
-    if report.exists():
-        print(f"report: {report}")
+    target = StoreTarget.at(store)
+    if target.log.exists():
+        print(f"log: {target.log}")  # vLLM's, torch's and transformers' lines (``interp_runner.run_log``)
+    if target.report.exists():
+        print(f"report: {target.report}")
     print(f"store: {store}")

@@ -2,13 +2,15 @@
 
 ``<sweep dir>/sweep.json``: ``{"jobs": [{"num", "overrides", "store", "status"}]}``, one entry per job, written
 under a file lock as each job ends (launchers may run jobs in parallel processes), and ``<sweep dir>/index.html``
-beside it, the page ``interp_runner.report.sweep_index`` makes of it.
+beside it, the page ``interp_runner.report.sweep_index`` makes of it (handed in as ``on_recorded``: this module
+imports nothing of the report).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,10 @@ import yaml
 INDEX = "sweep.json"
 
 
-def record_job(sweep_dir: Path, num: int, overrides: list[str], store: Path | None, status: str) -> None:
+def record_job(sweep_dir: Path, num: int, overrides: list[str], store: Path | None, status: str,
+               on_recorded: Callable[[Path, list[dict]], object] | None = None) -> None:
+    """Adds (or replaces) job ``num`` in the sweep's index; ``on_recorded(sweep_dir, jobs)`` runs under the same lock,
+    so pages made of the index follow its order of writes."""
     from filelock import FileLock
 
     sweep_dir = Path(sweep_dir)
@@ -32,8 +37,10 @@ def record_job(sweep_dir: Path, num: int, overrides: list[str], store: Path | No
         tmp = index.with_suffix(".tmp")
         tmp.write_text(json.dumps({"jobs": jobs}, indent=1))
         tmp.replace(index)
+        if on_recorded is None:
+            return
         try:  # a job's result never depends on its page: `interp-report SWEEP_DIR` writes it again
-            write_index_page(sweep_dir, jobs)
+            on_recorded(sweep_dir, jobs)
         except Exception as err:
             print(f"warning: the sweep's index page was not written ({type(err).__name__}: {err}); "
                   f"`interp-report {sweep_dir}` writes it", file=sys.stderr)
@@ -41,14 +48,6 @@ def record_job(sweep_dir: Path, num: int, overrides: list[str], store: Path | No
 
 def read_jobs(sweep_dir: Path) -> list[dict]:
     return json.loads((Path(sweep_dir) / INDEX).read_text())["jobs"]
-
-
-def write_index_page(sweep_dir: Path, jobs: list[dict] | None = None, out_path: Path | None = None) -> Path:
-    """``<sweep dir>/index.html`` (or ``out_path``) for ``jobs`` (default: those ``sweep.json`` lists)."""
-    from .report.sweep_index import write_sweep_index
-
-    jobs = read_jobs(sweep_dir) if jobs is None else jobs
-    return write_sweep_index(Path(sweep_dir), jobs, swept_parameters(jobs), out_path)
 
 
 def _relative(path: Path, base: Path) -> str:

@@ -20,10 +20,11 @@ trap 'rm -rf "$scratch"' EXIT
 
 golden() {  # NAME OVERRIDES...: one store, Hydra's run folder thrown away
   local name="$1"; shift
-  # the report is a companion the store lists: with the store gone, the store claim refuses it, so it goes too
-  rm -rf "$GOLDEN/$name.zarr" "$GOLDEN/$name.zarr.report.html"
+  # the report and log are companions the store lists: with the store gone, the store claim refuses them, so they go
+  rm -rf "$GOLDEN/$name.zarr" "$GOLDEN/$name.zarr.report.html" "$GOLDEN/$name.zarr.log"
   "$RUN" "+experiment=$name" model=tiny_random engine=eager engine.dtype=float32 "$@" \
     "store.path=$GOLDEN/$name.zarr" "hydra.run.dir=$scratch/$name"
+  rm -f "$GOLDEN/$name.zarr.log"  # this machine's paths and times: not committed
   du -sh "$GOLDEN/$name.zarr"
 }
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,50 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+ENGINE_FIXTURES = {"tiny_engine", "smollm2_engine", "tiny_engine_v2", "runner_engine"}
+
+
+@contextlib.contextmanager
+def _no_engine_unless_marked(item):
+    """``make test-fast`` (``-m "not engine"``) starts no engine: a test not marked ``engine`` that asks for a
+    session engine, or starts one in this process (its fixtures' set-up included), fails."""
+    if "engine" in item.keywords:
+        yield
+        return
+    engines = ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))
+    assert not engines, f"{item.nodeid} uses {sorted(engines)}: mark it @pytest.mark.engine"
+    from interp_runner import engine
+
+    def refused():
+        raise AssertionError(f"{item.nodeid} starts a vLLM engine: mark it @pytest.mark.engine")
+
+    # called by VllmEngine just before vLLM's LLM, once the settings passed every check
+    original = engine._child_pids
+    engine._child_pids = refused
+    try:
+        yield
+    finally:
+        engine._child_pids = original
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _no_engine_unless_marked(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_engine_unless_marked(item):
+        yield
+
+
+def pytest_sessionfinish(session):
+    inprocess = sys.modules.get("support.inprocess")
+    if inprocess is not None:  # the engines the in-process CLI runs shared
+        inprocess.SHARED.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -119,6 +165,24 @@ def engine_at_every_site(path: Path, num_layers: int, **engine):
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_path):
     yield from engine_at_every_site(tiny_path, 4)
+
+
+MODEL_RUNNERS = ("v1", "v2")  # engine.model_runner: the CPU engine tests that matter run under each
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_v2(tiny_path):
+    """``tiny_engine`` on vLLM's V2 model runner (a smaller KV cache: both engines live for the session)."""
+    yield from engine_at_every_site(tiny_path, 4, model_runner="v2", kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.fixture(params=MODEL_RUNNERS)
+def runner_engine(request):
+    """The tiny engine of each model runner, one per runner for the session (``tiny_engine`` is vLLM's pick on a
+    CPU, V1); the runner its workers report is the one asked for."""
+    engine = request.getfixturevalue("tiny_engine" if request.param == "v1" else "tiny_engine_v2")
+    assert engine.model_runner == request.param
+    return engine
 
 
 @pytest.fixture(scope="session")

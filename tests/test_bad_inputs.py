@@ -7,8 +7,8 @@ weights, chat templates where character spans are needed); (5) Hydra's own error
 converted with loss (strings, floats or bools for ints, int vector files, out-of-range seeds).
 
 Most cases run in this process through ``prepare()`` (what a dry run does); a subset, every Hydra error among them,
-runs through the real CLI, which must exit 2, name the key, print no traceback, start no engine and leave the files
-that were there as they were.
+runs through the CLI's ``main`` (in this process: ``support.inprocess``), which must exit 2, name the key, print no
+traceback, start no engine and leave the files that were there as they were.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ import torch
 from conftest import REPO, base_config, has_cuda
 from interp_runner.config import ConfigError
 from interp_runner.pipeline import prepare
+from support.inprocess import Completed, interp_run as run_main
 
 FACTS = REPO / "experiments" / "causal_trace" / "facts.jsonl"
 HIDDEN = 128  # tiny_random: 4 layers, 4 heads, 2 KV heads, max_position_embeddings 2048
@@ -148,7 +147,7 @@ def request(prompts) -> dict:
 
 
 def trace(facts: str | Path = FACTS, prompts: dict | None = None, **keys) -> dict:
-    spec = {"facts": str(facts), "num_facts": 1, "kinds": ["resid"], "layers": [0], "window": 2,
+    spec = {"facts": str(facts), "num_facts": 1, "components": ["resid"], "layers": [0], "window": 2,
             "noise": {"samples": 1}, "filter": False, "plots": False}
     for key, value in keys.items():
         spec[key] = {**spec[key], **value} if isinstance(value, dict) and key in spec else value
@@ -231,7 +230,10 @@ SELECTORS = [
     ("patch-prompts-repeat", patch(prompts=[1, 1]), "patching[0].prompts", "repeat"),
     ("trace-layers-past-the-end", trace(layers="0:9"), "causal_trace.layers", "out of range"),
     ("trace-layers-repeat", trace(layers=[0, 0]), "causal_trace.layers", "repeat"),
-    ("trace-window-past-the-model", trace(kinds=["mlp"], window=9), "causal_trace.window", "larger than the model"),
+    ("trace-window-past-the-model", trace(components=["mlp"], window=9), "causal_trace.window",
+     "larger than the model"),
+    ("trace-components-under-their-old-key", trace(kinds=["resid"]), "causal_trace.kinds",
+     "renamed: give causal_trace.components"),
     ("trace-more-facts-than-the-file", trace(num_facts=999), "causal_trace.num_facts", "holds 24 facts"),
 ]
 
@@ -398,17 +400,16 @@ CLI_CASES = [
 ]
 
 
-def interp_run(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
+def interp_run(args: list[str], run_dir: Path) -> Completed:
     """``interp-run`` (a dry run unless the case says otherwise), its run and sweep folders under ``run_dir``."""
-    cli = REPO / ".venv" / "bin" / "interp-run"
     dry = [] if "dry_run=false" in args else ["dry_run=true"]
     where = [f"hydra.run.dir={run_dir / 'run'}", f"hydra.sweep.dir={run_dir / 'sweep'}"]
-    return subprocess.run([str(cli), *args, *dry, *where], cwd=REPO, capture_output=True, text=True, timeout=600)
+    return run_main(*args, *dry, *where, engines=None)
 
 
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory):
-    """Every CLI case, two at a time (each spends seconds importing), with a store that was there before."""
+    """Every CLI case, with a store that was there before."""
     d = make_inputs(tmp_path_factory.mktemp("cli_inputs"))
     kept = d / "kept.zarr"
     kept.mkdir()
@@ -417,8 +418,7 @@ def cli_results(tmp_path_factory):
     runs = tmp_path_factory.mktemp("cli_runs")
     jobs = {name: ([a.replace("{d}", str(d)) for a in args], runs / name.replace(":", "_"))
             for name, args, *_ in CLI_CASES}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        done = dict(zip(jobs, pool.map(lambda job: interp_run(*job), jobs.values())))
+    done = {name: interp_run(*job) for name, job in jobs.items()}
     return done, before, snapshot(d), runs
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import hf_oracle
+from support import hf_oracle
 from conftest import REPO, run_plan
 from interp_runner.kinds.trace_grids import ROLES, trace_dataset
 from interp_runner.kinds.trace_plan import corrupt_rid
@@ -54,7 +54,7 @@ def test_the_grid_compiles_into_one_batched_stage():
     layout = plan.layout
     cells = [r for r in plan.requests if r.meta.get("part") == "cell"]
     tokens = sum(len(f.clean.token_ids) for f in layout.facts)
-    assert len(cells) == 2 * 3 * len(LAYERS) * tokens  # samples x kinds x layers x tokens
+    assert len(cells) == 2 * 3 * len(LAYERS) * tokens  # samples x components x layers x tokens
     assert {r.stage for r in cells} == {1} and all(r.condition and r.condition.endswith("clean") for r in cells)
     assert [r.rid for r in plan.requests if r.stage == 0] == [
         "f000-clean", "f000-corrupt-s0", "f000-corrupt-s1", "f001-clean", "f001-corrupt-s0", "f001-corrupt-s1"]
@@ -63,26 +63,26 @@ def test_the_grid_compiles_into_one_batched_stage():
     assert layout.window_layers(11) == list(range(6, 16))
     assert layout.window_layers(29) == list(range(24, 30))
     last = len(layout.facts[0].clean.token_ids) - 1
-    cell = next(r for r in cells if r.meta == {"fact": 0, "part": "cell", "kind": "mlp", "layer": 11,
+    cell = next(r for r in cells if r.meta == {"fact": 0, "part": "cell", "component": "mlp", "layer": 11,
                                                "token": last - 1, "sample": 1})
-    patch = cell.payload["patch"]
-    sites = np.frombuffer(patch["site"], dtype=np.int32).tolist()
-    positions = np.frombuffer(patch["pos"], dtype=np.int32).tolist()
+    patch = cell.payload.patch
+    sites = np.frombuffer(patch.sites, dtype=np.int32).tolist()
+    positions = np.frombuffer(patch.positions, dtype=np.int32).tolist()
     subject = list(layout.facts[0].subject_positions)
     assert sites == [site_id(0, "pre_attn")] * len(subject) + [site_id(lay, "mlp_out") for lay in range(6, 16)]
     assert positions == subject + [last - 1] * 10
-    assert np.frombuffer(patch["a"], dtype=np.float32).tolist() == [1.0] * len(subject) + [0.0] * 10
+    assert np.frombuffer(patch.value_weights, dtype=np.float32).tolist() == [1.0] * len(subject) + [0.0] * 10
     # every cell of one noise sample shares the KV of the positions before its restored token
-    noise_ranges = [r for r in cell.kv_ranges if r[0] in subject]
+    noise_ranges = [r for r in cell.kv_ranges if r.start in subject]
     same_sample = next(r for r in cells if r.meta["fact"] == 0 and r.meta["sample"] == 1 and r.meta["token"] == last)
-    assert [r for r in same_sample.kv_ranges if r[0] in subject] == noise_ranges
+    assert [r for r in same_sample.kv_ranges if r.start in subject] == noise_ranges
     # a cell's KV is its own from its restored token on (or from the noise after it, which is its sample's):
     # those blocks are never hashed or cached; the corrupted runs share theirs
     for r in cells:
         token, subject = r.meta["token"], layout.facts[r.meta["fact"]].subject_positions
         after = min([p for p in subject if p > token], default=token)
-        assert r.payload["kv_private"] == (token if token in subject or token > subject[-1] else after), r.rid
-    assert all("kv_private" not in (r.payload or {}) for r in plan.requests if r.meta.get("part") != "cell")
+        assert r.payload.kv_private == (token if token in subject or token > subject[-1] else after), r.rid
+    assert all(r.payload is None or r.payload.kv_private is None for r in plan.requests if r.meta.get("part") != "cell")
 
 
 @pytest.mark.parametrize("pack, stride", [(False, 1), (True, 1), (True, 2)],
@@ -95,20 +95,20 @@ def test_runs_keep_exactly_the_values_cells_read(pack, stride):
     those prompts (``Plan.refs``), and the plan releases them."""
     from interp_runner.payload import kv_key, ref_key, unpack_positions
 
-    config = trace_config("tiny_random", kinds=["resid", "mlp", "attn"], layers=[0, 3], window=2,
+    config = trace_config("tiny_random", components=["resid", "mlp", "attn"], layers=[0, 3], window=2,
                           noise={"samples": 2})
     config["engine"].update(pack_cells=pack, cell_entry_stride=stride)
     plan = prepare(config).plan
     kept, runs, kv_prompts = set(), {}, []
     for r in plan.requests:
-        keep = (r.payload or {}).get("keep")
-        if keep:
-            runs[r.rid] = keep["run"]
-            kept |= {ref_key(keep["run"], site, p) for sites, positions in keep["groups"] for site in sites
-                     for p in unpack_positions(positions).tolist()}
-            if keep.get("kv"):
+        keep = r.payload.keep if r.payload is not None else None
+        if keep is not None:
+            runs[r.rid] = keep.run
+            kept |= {ref_key(keep.run, site, p) for group in keep.groups for site in group.sites
+                     for p in unpack_positions(group.positions).tolist()}
+            if keep.kv:
                 assert r.meta["part"] == "corrupt" and r.sampling["skip_reading_prefix_cache"]  # every position
-                kept.add(kv_key(keep["run"]))
+                kept.add(kv_key(keep.run))
                 kv_prompts.append(len(r.prompt.token_ids))
     assert kept == set(plan.refs)
     assert bool(kv_prompts) == pack
@@ -121,16 +121,17 @@ def test_runs_keep_exactly_the_values_cells_read(pack, stride):
             ("mlp", 3): 2, ("attn", 3): 2}
     for r in cells:
         run = runs.get(corrupt_rid(r.meta["fact"], r.meta["sample"]))
-        assert r.payload.get("reuse") == ([run, r.meta["token"]] if pack else None)
-        start = r.payload.get("start")
-        layer = want[r.meta["kind"], r.meta["layer"]]
+        reuse = r.payload.reuse
+        assert ((reuse.run, reuse.position) if reuse else None) == ((run, r.meta["token"]) if pack else None)
+        start = r.payload.start
+        layer = want[r.meta["component"], r.meta["layer"]]
         if not pack or layer is None:
             assert start is None
             continue
-        assert start == [layer, runs[corrupt_rid(r.meta["fact"], r.meta["sample"])]]
+        assert (start.layer, start.run) == (layer, runs[corrupt_rid(r.meta["fact"], r.meta["sample"])])
         n = len(r.prompt.token_ids)
-        assert all(ref_key(start[1], site_id(layer, "pre_attn"), p) in plan.refs for p in range(n))
-    assert any(r.payload.get("start") for r in cells) == pack
+        assert all(ref_key(start.run, site_id(layer, "pre_attn"), p) in plan.refs for p in range(n))
+    assert any(r.payload.start for r in cells) == pack
 
 
 def test_a_voided_cell_is_listed_and_never_in_the_grid():
@@ -138,7 +139,7 @@ def test_a_voided_cell_is_listed_and_never_in_the_grid():
     leaves it out and the store lists it."""
     from interp_runner.engine import RequestResult
 
-    plan = prepare(trace_config("tiny_random", kinds=["resid"], layers=[0], noise={"samples": 1}, filter=False,
+    plan = prepare(trace_config("tiny_random", components=["resid"], layers=[0], noise={"samples": 1}, filter=False,
                                 num_facts=1)).plan
     score = {"token_ids": np.array([1, 2]), "logprobs": np.array([-1.0, -2.0], np.float32), "top_id": 1,
              "top_logprob": -1.0}
@@ -221,8 +222,8 @@ def test_unalignable_patch_prompts_are_refused_and_partial_ones_listed():
     (skipped,) = plan.skipped
     assert skipped["positions"] == [1, 2, 3]  # E, iffel, Tower: no counterpart in the source
     patched = next(r for r in plan.requests if r.role == "patched")
-    assert np.frombuffer(patched.payload["patch"]["pos"], dtype=np.int32).tolist() == [0, 4, 5, 6, 7, 8, 9]
-    sources = [plan.refs[k][2] for k in patched.payload["patch"]["src"]]
+    assert np.frombuffer(patched.payload.patch.positions, dtype=np.int32).tolist() == [0, 4, 5, 6, 7, 8, 9]
+    sources = [plan.refs[k][2] for k in patched.payload.patch.sources]
     assert sources == [0, 3, 4, 5, 6, 7, 8]
 
 
@@ -240,7 +241,7 @@ def test_multi_token_answers_need_first_token_scoring():
 
 
 def hf_trace(path, fact_ids, subject, noise, answer, cells, window=10):
-    """Log-probabilities of ``answer`` for each cell (kind, layer, token) of one fact, from plain HF forward hooks:
+    """Log-probabilities of ``answer`` for each cell (component, layer, token) of one fact, from plain HF forward hooks:
     noise added to the subject's token embeddings, clean states put back at the restored sites."""
     model = hf_oracle.load(str(path))
     ids = torch.tensor([fact_ids])
@@ -261,19 +262,20 @@ def hf_trace(path, fact_ids, subject, noise, answer, cells, window=10):
     batch = len(cells) + 1  # the last row: corrupted, nothing restored
     noise_t = torch.zeros(batch, n, noise.shape[-1])
     noise_t[:, subject] = torch.as_tensor(noise)
-    restore = {}  # (kind, layer) -> list of (row, token)
-    for row, (kind, layer, token) in enumerate(cells):
-        targets = [layer] if kind == "resid" else range(max(0, layer - window // 2), min(len(layers), layer + window // 2))
+    restore = {}  # (component, layer) -> list of (row, token)
+    for row, (component, layer, token) in enumerate(cells):
+        targets = [layer] if component == "resid" else range(max(0, layer - window // 2),
+                                                              min(len(layers), layer + window // 2))
         for lay in targets:
-            restore.setdefault((kind, lay), []).append((row, token))
+            restore.setdefault((component, lay), []).append((row, token))
 
-    def put_back(kind, i):
+    def put_back(component, i):
         def hook(module, args, output):
-            out = output[0] if kind == "attn" else output
+            out = output[0] if component == "attn" else output
             out = out.clone()
-            for row, token in restore.get((kind, i), []):
-                out[row, token] = clean[(kind, i)][0, token]
-            return (out,) + tuple(output[1:]) if kind == "attn" else out
+            for row, token in restore.get((component, i), []):
+                out[row, token] = clean[(component, i)][0, token]
+            return (out,) + tuple(output[1:]) if component == "attn" else out
         return hook
 
     hooks = [model.model.embed_tokens.register_forward_hook(lambda m, a, o: o + noise_t)]
@@ -304,11 +306,11 @@ def test_trace_grid_matches_hf_hooks(smollm2_engine, smollm2_path, pack):
     for fact in layout.facts:
         f = fact.index
         n = len(fact.clean.token_ids)
-        cells = [(k, lay, t) for k in layout.kinds for lay in layers for t in range(n)]
+        cells = [(k, lay, t) for k in layout.components for lay in layers for t in range(n)]
         want, want_corrupt = hf_trace(smollm2_path, list(fact.clean.token_ids), list(fact.subject_positions),
                                       ds["noise"].values[f, 0, : len(fact.subject_positions)],
                                       fact.clean.answer_ids[0], cells)
-        got = np.array([float(ds["restored_logprob_samples"].sel(kind=k, layer=lay).values[f, t, 0])
+        got = np.array([float(ds["restored_logprob_samples"].sel(component=k, layer=lay).values[f, t, 0])
                         for k, lay, t in cells])
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
         assert float(ds["corrupt_logprob_samples"].values[f, 0]) == pytest.approx(want_corrupt, abs=1e-4)
@@ -339,7 +341,7 @@ def test_facts_the_model_gets_wrong_are_filtered_and_listed(tiny_engine):
 def test_counterfactual_cells_restore_aligned_positions_only(tmp_path):
     fact = {"id": "eiffel", "subject": "The Eiffel Tower", "prompt": "The Eiffel Tower is located in the city of",
             "answer": " Paris", "corrupt_prompt": "The Great Wall is located in the city of"}  # 10 vs 9 tokens
-    plan = prepare(trace_config(corruption="counterfactual", layers=[2], kinds=["resid"], num_facts=1,
+    plan = prepare(trace_config(corruption="counterfactual", layers=[2], components=["resid"], num_facts=1,
                                 facts=write_facts(tmp_path, [fact]))).plan
     (f,) = plan.layout.facts
     assert f.skipped == (1, 2) and f.corrupt_subject == (1, 2) and plan.skipped == ({"fact": 0, "positions": [1, 2]},)
@@ -348,9 +350,9 @@ def test_counterfactual_cells_restore_aligned_positions_only(tmp_path):
     assert all(r.prompt.text == fact["corrupt_prompt"] for r in cells)
     # the corrupt run is the counterfactual prompt itself, with no noise; restores read the clean run's positions
     corrupt = next(r for r in plan.requests if r.rid == "f000-corrupt-s0")
-    assert corrupt.prompt.text == fact["corrupt_prompt"] and corrupt.payload.get("patch") is None
+    assert corrupt.prompt.text == fact["corrupt_prompt"] and corrupt.payload.patch is None
     last = next(r for r in cells if r.meta["token"] == 8)
-    (src,) = last.payload["patch"]["src"]
+    (src,) = last.payload.patch.sources
     assert plan.refs[src] == ("f000-clean", site_id(2, "post_block"), 9)
 
 
@@ -367,7 +369,7 @@ def test_counterfactual_store_names_the_clean_and_the_corrupt_prompt(tmp_path, s
     clean_text, corrupt_text = "The Eiffel Tower is located in the city of", "The Great Wall is located in the city of"
     fact = {"id": "eiffel", "subject": "The Eiffel Tower", "prompt": clean_text, "answer": " Paris",
             "corrupt_prompt": corrupt_text}
-    prepared = prepare(trace_config(corruption="counterfactual", layers=[2], kinds=["resid"], num_facts=1,
+    prepared = prepare(trace_config(corruption="counterfactual", layers=[2], components=["resid"], num_facts=1,
                                     facts=write_facts(tmp_path, [fact])))
     plan = prepared.plan
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
@@ -424,7 +426,7 @@ def test_counterfactual_grid_is_by_clean_token_and_matches_hf_hooks(tiny_engine,
     clean_text, corrupt_text = "The Eiffel Tower is located in the city of", "The Great Wall is located in the city of"
     fact = {"id": "eiffel", "subject": "The Eiffel Tower", "prompt": clean_text, "answer": " Paris",
             "corrupt_prompt": corrupt_text}
-    config = trace_config("tiny_random", corruption="counterfactual", kinds=["resid"], layers=[1], window=2,
+    config = trace_config("tiny_random", corruption="counterfactual", components=["resid"], layers=[1], window=2,
                           filter=False, num_facts=1, plots=False, facts=write_facts(tmp_path, [fact]))
     plan, results = run_packed(tiny_engine, config, False)
     ds = trace_dataset(plan, results)
@@ -469,9 +471,10 @@ def long_fact(tmp_path, repeats: int) -> str:
 
 
 def test_cells_pack_into_block_aligned_segments_after_their_shared_prefix(tmp_path):
+    from interp_runner.contracts import PAYLOAD_KEY, decode_payload
     from interp_runner.packing import pack_requests
 
-    plan = prepare(trace_config("tiny_random", kinds=["resid"], layers=[1], noise={"samples": 1}, filter=False,
+    plan = prepare(trace_config("tiny_random", components=["resid"], layers=[1], noise={"samples": 1}, filter=False,
                                 num_facts=1, facts=long_fact(tmp_path, 18))).plan
     n = len(plan.layout.facts[0].corrupt.token_ids)
     assert n > 130
@@ -484,31 +487,32 @@ def test_cells_pack_into_block_aligned_segments_after_their_shared_prefix(tmp_pa
     assert len(members) > 0.9 * len(cells)
     prompt = list(plan.layout.facts[0].corrupt.token_ids)
     for p in packed:
-        payload = p.sampling["extra_args"]["interp"]
-        layout = payload["cells"]
-        prefix, stride = layout["prefix"], layout["stride"]
+        payload = decode_payload(p.sampling["extra_args"][PAYLOAD_KEY])  # as the plugin reads it
+        layout = payload.cells
+        prefix, stride = layout.prefix, layout.stride
         assert 2 <= len(p.members) and len(p.token_ids) == prefix + stride * len(p.members) <= 1023
         assert prefix % 32 == 0 and stride % 32 == 0 and stride >= n - prefix > stride - 32
-        assert payload["kv_private"] == prefix
+        assert payload.kv_private == prefix
         for k, member in enumerate(p.members):
             token = member.meta["token"]
             assert prefix <= token < prefix + 32  # the block of its restore: all it shares with other cells
             segment = p.token_ids[prefix + k * stride :][: n - prefix]
             assert segment == prompt[prefix:]
         # each member's restore, moved into its segment; the noise before the prefix once
-        positions = np.frombuffer(payload["patch"]["pos"], dtype=np.int32)
-        restores = [pos for pos, key in zip(positions.tolist(), payload["patch"]["src"]) if key.startswith("ref:")]
+        positions = np.frombuffer(payload.patch.positions, dtype=np.int32)
+        restores = [pos for pos, key in zip(positions.tolist(), payload.patch.sources) if key.startswith("ref:")]
         assert restores == [prefix + k * stride + m.meta["token"] - prefix for k, m in enumerate(p.members)]
     # nothing else packs: requests with captures, several tokens or no private KV stay as they are
     assert not pack_requests([r for r in plan.requests if r.meta.get("part") != "cell"], 32, 1023)[0]
 
 
 @pytest.mark.engine
-def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path, monkeypatch):
+def test_packed_cells_score_as_unpacked_ones(runner_engine, tmp_path, monkeypatch):
     """Cells packed into shared requests (prefix, chunked steps, segments at their prompt's positions) give the
     scores the same cells give as requests of their own; also when the first step starts before every packed
-    request is submitted (as where vLLM queues steps: GPUs)."""
-    config = trace_config("tiny_random", kinds=["resid", "mlp"], layers=[0, 3], window=2, noise={"samples": 2},
+    request is submitted (as where vLLM queues steps: GPUs). Under each model runner."""
+    tiny_engine = runner_engine
+    config = trace_config("tiny_random", components=["resid", "mlp"], layers=[0, 3], window=2, noise={"samples": 2},
                           filter=False, num_facts=1, facts=long_fact(tmp_path, 34))
     config["engine"].update(max_model_len=1024, cell_entry_stride=1)  # as the engine has; every entry layer
     from interp_runner.plugin import skipping
@@ -516,7 +520,7 @@ def test_packed_cells_score_as_unpacked_ones(tiny_engine, tmp_path, monkeypatch)
     computed = []  # per step run layer by layer: (rows computed, rows in the step)
 
     def run_layers(runner, state, input_ids, positions, _f=skipping.run_layers):
-        computed.append((state.sequences["skip"]["rows"][-1], input_ids.shape[0]))
+        computed.append((state.sequences["skip"].rows[-1], input_ids.shape[0]))
         return _f(runner, state, input_ids, positions)
 
     monkeypatch.setattr(skipping, "run_layers", run_layers)

@@ -1,4 +1,5 @@
-"""The real CLI end to end on tiny_random: store layout, provenance, status."""
+"""The CLI end to end on tiny_random: store layout, provenance, status; the first two as real processes, the
+causal trace through ``main`` in this process on a shared engine (``support.inprocess``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import xarray as xr
 import zarr
 
 from conftest import REPO
+from support import inprocess
 
 pytestmark = pytest.mark.engine
 
@@ -21,10 +23,12 @@ MANIFEST_KEYS = {
 
 
 def interp_run(*args, cwd=REPO):
+    """``interp-run ARGS`` as a process of its own."""
     cli = REPO / ".venv" / "bin" / "interp-run"
     return subprocess.run([str(cli), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.cli
 def test_cli_run_writes_a_complete_store(tmp_path):
     store = tmp_path / "smoke.zarr"
     proc = interp_run(
@@ -63,6 +67,7 @@ def test_cli_run_writes_a_complete_store(tmp_path):
     assert ds["top_logprob"].shape[-1] == 3
 
 
+@pytest.mark.cli
 def test_cli_config_error_exits_2_and_starts_nothing(tmp_path):
     run_dir = tmp_path / "run"
     proc = interp_run("+experiment=steering_smoke", "model=tiny_random", "capture.0.layers=[9]",
@@ -74,7 +79,7 @@ def test_cli_config_error_exits_2_and_starts_nothing(tmp_path):
 
 def test_cli_causal_trace_writes_grids_and_figures(tmp_path):
     store = tmp_path / "trace.zarr"
-    proc = interp_run(
+    proc = inprocess.interp_run(
         "+experiment=causal_trace", "model=tiny_random", "engine=eager", "causal_trace.num_facts=2",
         "causal_trace.noise.samples=2", "causal_trace.window=2", "causal_trace.layers=[0,3]",
         "causal_trace.filter=false",  # a random model predicts none of the answers
@@ -85,7 +90,7 @@ def test_cli_causal_trace_writes_grids_and_figures(tmp_path):
     ds = xr.open_zarr(str(store), consolidated=False)
     attrs = dict(zarr.open_group(str(store), mode="r").attrs)
     assert attrs["status"] == "complete" and attrs["experiment"]["name"] == "causal_trace"
-    assert ds["indirect_effect"].dims == ("fact", "kind", "layer", "token")
+    assert ds["indirect_effect"].dims == ("fact", "component", "layer", "token")
     assert ds["indirect_effect"].shape[:3] == (2, 3, 2) and list(ds["layer"].values) == [0, 3]
     for f, n in enumerate(ds["num_tokens"].values):
         assert np.isfinite(ds["restored_prob"].values[f, :, :, :n]).all()

@@ -5,6 +5,7 @@ requests are valid vLLM SamplingParams whose payload survives msgpack. No engine
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -12,9 +13,10 @@ from safetensors.numpy import save_file
 
 from conftest import base_config
 from interp_runner.config import ConfigError
+from interp_runner.contracts import DECODE, PAYLOAD_KEY, PREFILL, RequestPayload, payload_of
 from interp_runner.kinds import kind_for
 from interp_runner.models.facts import ModelFacts
-from interp_runner.payload import DECODE, PAYLOAD_KEY, PREFILL, unpack_positions, vector_key
+from interp_runner.payload import unpack_positions, vector_key
 from interp_runner.pipeline import load_tokenizer, prepare
 from interp_runner.run_config import validate_config
 from interp_runner.selectors import parse_layers, parse_prompts
@@ -49,14 +51,15 @@ def cfg(**overrides) -> dict:
     return base_config(prompts={"items": PROMPTS}, **overrides)
 
 
-def payload(request) -> dict | None:
+def payload(request) -> RequestPayload | None:
     extra = request.sampling["extra_args"]
     return None if extra is None else extra[PAYLOAD_KEY]
 
 
-def steer_of(request) -> list:
+def steer_of(request) -> list[list]:
+    """A request's steering terms as [site, phases, vector key, scale]."""
     p = payload(request)
-    return [] if p is None or "steer" not in p else p["steer"]
+    return [] if p is None else [[t.site, t.phases, t.vector, t.scale] for t in p.steer]
 
 
 def one_vector(plan) -> np.ndarray:
@@ -100,7 +103,7 @@ def test_sampling_fields(compile_):
         s = r.sampling
         assert (s["max_tokens"], s["temperature"], s["top_p"], s["logprobs"]) == (7, 0.5, 0.9, 4)
         assert s["seed"] == 11 + i  # seed of prompt i is seed + i
-        assert s["extra_args"] is None and s["skip_reading_prefix_cache"] is None and r.kv_ranges == []
+        assert s["extra_args"] is None and s["skip_reading_prefix_cache"] is None and r.kv_ranges == ()
     assert compile_(cfg()).requests[0].sampling["logprobs"] == 0
 
 
@@ -211,7 +214,7 @@ def test_vectors_travel_by_key_not_inside_requests(compile_):
     for key, vec in plan.vectors.items():
         assert vector_key(vec) == key and vec.dtype == np.float32 and vec.shape == (HIDDEN,)
     for r in plan.requests:
-        for node in walk(r.sampling["extra_args"]):
+        for node in walk(msgspec.msgpack.decode(msgspec.msgpack.encode(r.sampling["extra_args"]))):
             if isinstance(node, (list, tuple)) and len(node) > 1:
                 assert not all(isinstance(x, float) for x in node), f"a list of floats in {r.rid}'s extra_args"
             assert not isinstance(node, np.ndarray)
@@ -241,7 +244,7 @@ def test_tiers_map_to_phase_masks(compile_):
     assert (PREFILL | DECODE, PREFILL, DECODE) == (3, 1, 2)
     for r in plan.requests:
         assert steer_of(r) == expected
-        assert payload(r)["rid"] == r.rid and "capture" not in payload(r)
+        assert payload(r).rid == r.rid and not payload(r).capture
 
 
 def test_global_terms_reach_every_request_and_request_terms_only_their_prompts(compile_):
@@ -265,7 +268,7 @@ def test_request_steering_without_global(compile_):
     config = cfg(steering={"request": [{"prompts": [2], "base": {"post_block": {"layer": 0, "vector": [1.0] * HIDDEN}}}]})
     plan = compile_(config)
     assert [payload(r) is None for r in plan.requests] == [True, True, False, True]
-    assert [r.kv_ranges == [] for r in plan.requests] == [True, True, False, True]
+    assert [r.kv_ranges == () for r in plan.requests] == [True, True, False, True]
     assert "cache_salt" not in plan.requests[2].engine_prompt()
 
 
@@ -294,8 +297,8 @@ def test_parse_helpers_directly():
 
 
 def capture_entry(request, index: int = 0):
-    sites, positions, generated = payload(request)["capture"][index]
-    return sites, list(unpack_positions(positions)), generated
+    entry = payload(request).capture[index]
+    return list(entry.sites), list(unpack_positions(entry.positions)), entry.generated
 
 
 @pytest.mark.parametrize(
@@ -318,7 +321,7 @@ def test_capture_positions(compile_, positions, expect, generated):
         sites, got, gen = capture_entry(r)
         assert sites == [site_id(1, "post_block")]
         assert got == expect(n) and gen is generated
-        assert "steer" not in payload(r) and r.kv_ranges == []
+        assert not payload(r).steer and r.kv_ranges == ()
 
 
 def test_capture_sites_layout_and_engine_spec(compile_):
@@ -330,10 +333,10 @@ def test_capture_sites_layout_and_engine_spec(compile_):
     resid_sites = [site_id(0, "post_block"), site_id(2, "post_block"), site_id(0, "pre_attn"), site_id(2, "pre_attn")]
     mlp_sites = [site_id(layer, "mlp_out") for layer in range(LAYERS)]
     for r in plan.requests:
-        entries = payload(r)["capture"]
-        assert entries[0][0] == resid_sites
+        entries = payload(r).capture
+        assert list(entries[0].sites) == resid_sites
         if r.prompt.index in (1, 2):
-            assert len(entries) == 2 and entries[1][0] == mlp_sites
+            assert len(entries) == 2 and list(entries[1].sites) == mlp_sites
         else:
             assert len(entries) == 1
     assert plan.engine_spec.capture_sites == tuple(sorted(resid_sites + mlp_sites))
@@ -365,7 +368,7 @@ def test_engine_spec_sites_and_additional_config(compile_):
 
 
 def kv_digest(request, start: int) -> str | None:
-    return next((d for a, _, d in request.kv_ranges if a == start), None)
+    return next((x.digest for x in request.kv_ranges if x.start == start), None)
 
 
 def test_kv_ranges_key_prefix_cache_blocks_by_steering(compile_):
@@ -377,10 +380,10 @@ def test_kv_ranges_key_prefix_cache_blocks_by_steering(compile_):
     plan = compile_(config)
     for r in plan.requests[:3]:  # base steering: the prompt's positions and the generated ones
         n = len(r.prompt.token_ids)
-        assert [(s, e) for s, e, _ in r.kv_ranges] == [(0, n), (n, -1)]
+        assert [(x.start, x.end) for x in r.kv_ranges] == [(0, n), (n, -1)]
     assert kv_digest(plan.requests[0], 0) == kv_digest(plan.requests[1], 0)  # identically steered: shared
     assert kv_digest(plan.requests[2], 0) != kv_digest(plan.requests[0], 0)  # a different vector
-    assert plan.requests[3].kv_ranges == []  # capture only: shares KV with unsteered requests
+    assert plan.requests[3].kv_ranges == ()  # capture only: shares KV with unsteered requests
     # a different scale, layer or hook is a different digest; the same steering compiles to the same one
     base = kv_digest(plan.requests[0], 0)
     for term, hook in [({"layer": 0, "vector": a, "scale": 2.0}, "post_block"), ({"layer": 1, "vector": a}, "post_block"),
@@ -396,8 +399,8 @@ def test_kv_ranges_follow_the_tier(compile_):
     prefill = compile_(cfg(steering={"global": {"prefill": {"post_block": {"layer": 0, "vector": a}}}})).requests[0]
     decode = compile_(cfg(steering={"global": {"decode": {"post_block": {"layer": 0, "vector": a}}}})).requests[0]
     n = len(prefill.prompt.token_ids)
-    assert [(s, e) for s, e, _ in prefill.kv_ranges] == [(0, n)]
-    assert [(s, e) for s, e, _ in decode.kv_ranges] == [(n, -1)]  # the prompt's KV stays shared
+    assert [(x.start, x.end) for x in prefill.kv_ranges] == [(0, n)]
+    assert [(x.start, x.end) for x in decode.kv_ranges] == [(n, -1)]  # the prompt's KV stays shared
 
 
 def test_kv_ranges_ignore_term_order(compile_):
@@ -478,16 +481,16 @@ def test_sampling_params_construct_and_payload_survives_msgpack(compile_):
 
     plan = compile_(rich_config())
     for r in plan.requests:
-        params = SamplingParams(**r.sampling)
-        assert r.sampling_params().extra_args == params.extra_args
+        params = r.sampling_params()
         assert params.max_tokens == 5 and params.logprobs == 2 and params.seed == r.prompt.index
         # "all" reads every prompt position: only a one-token prompt has no earlier position to protect
         assert params.skip_reading_prefix_cache is (len(r.prompt.token_ids) > 1)
-        assert params.extra_args == r.sampling["extra_args"]
+        assert isinstance(params.extra_args[PAYLOAD_KEY], bytes)  # the payload travels encoded
         decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params.extra_args))
         assert decoded == params.extra_args
-        (sites, positions, generated), = decoded[PAYLOAD_KEY]["capture"]
-        assert list(unpack_positions(positions)) == list(range(len(r.prompt.token_ids))) and generated is True
+        assert payload_of(SamplingParams(extra_args=decoded)) == r.payload  # decoded once, on the plugin side
+        (entry,) = r.payload.capture
+        assert list(unpack_positions(entry.positions)) == list(range(len(r.prompt.token_ids))) and entry.generated
     # unsteered, uncaptured requests carry no extra_args at all
     params = SamplingParams(**compile_(cfg()).requests[0].sampling)
     assert not params.extra_args

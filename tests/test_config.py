@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from conftest import REPO, base_config
 from interp_runner.config import ConfigError
 from interp_runner.pipeline import prepare
 from interp_runner.run_config import validate_config
+from support.inprocess import Completed, interp_run
 
 HIDDEN = 128  # tiny_random
 V = [0.25] * HIDDEN
@@ -440,50 +440,44 @@ def fake_model_folder(tmp_path, tiny_path, **config_changes) -> Path:
 
 
 def test_unsupported_architecture(tmp_path, tiny_path):
-    folder = fake_model_folder(tmp_path, tiny_path, architectures=["GPT2LMHeadModel"])
-    config = {**base_config(), "model": {"name": "gpt2", "path": str(folder)}}
+    folder = fake_model_folder(tmp_path, tiny_path, architectures=["Olmo2ForCausalLM"])
+    config = {**base_config(), "model": {"name": "olmo2", "path": str(folder)}}
     found = problems(config)
     assert list(found) in (["model"], ["model.path"]), found
     reason = next(iter(found.values()))
-    assert "unsupported architecture GPT2LMHeadModel" in reason and "LlamaForCausalLM" in reason
+    assert "unsupported architecture Olmo2ForCausalLM" in reason and "LlamaForCausalLM" in reason
 
 
 def test_unsupported_architecture_with_its_own_config_keys(tmp_path, tiny_path):
-    # a real GPT-2 config.json has n_layer / n_embd, not num_hidden_layers / hidden_size
-    folder = fake_model_folder(tmp_path, tiny_path, architectures=["GPT2LMHeadModel"], n_layer=4, n_embd=128)
+    # a real BLOOM config.json has n_layer / n_embed, not num_hidden_layers / hidden_size
+    folder = fake_model_folder(tmp_path, tiny_path, architectures=["BloomForCausalLM"], n_layer=4, n_embed=128)
     config = json.loads((folder / "config.json").read_text())
     del config["num_hidden_layers"], config["hidden_size"]
     (folder / "config.json").write_text(json.dumps(config))
-    found = problems({**base_config(), "model": {"name": "gpt2", "path": str(folder)}})
+    found = problems({**base_config(), "model": {"name": "bloom", "path": str(folder)}})
     assert list(found) in (["model"], ["model.path"]), found
-    assert "GPT2LMHeadModel" in next(iter(found.values()))
+    assert "BloomForCausalLM" in next(iter(found.values()))
 
 
 # ---------------------------------------------------------------- the CLI
 
 
-def _cli(*args, run_dir: Path) -> subprocess.Popen:
-    cli = REPO / ".venv" / "bin" / "interp-run"
-    return subprocess.Popen([str(cli), *args, f"hydra.run.dir={run_dir}"], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _cli(*args, run_dir: Path) -> Completed:
+    return interp_run(*args, f"hydra.run.dir={run_dir}", engines=None)
 
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    """Both CLI runs at once (each spends ~10 s importing)."""
+    """The CLI's ``main`` in this process (``support.inprocess``), three times."""
     root = tmp_path_factory.mktemp("cli")
-    procs = {
+    runs = {
         "bad": _cli("+experiment=steering_demo", "steering.request.0.base.post_block.layer=40", "dry_run=true",
                     run_dir=root / "bad"),
         "bad_no_dry": _cli("+experiment=steering_demo", "steering.request.0.base.post_block.layer=40",
                            f"store.path={root / 'bad_store.zarr'}", run_dir=root / "bad_no_dry"),
         "ok": _cli("+experiment=steering_demo", "dry_run=true", run_dir=root / "ok"),
     }
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        out[name] = (proc.returncode, stdout, stderr)
-    return root, out
+    return root, {name: (run.returncode, run.stdout, run.stderr) for name, run in runs.items()}
 
 
 def test_cli_config_error_exits_2(cli_runs):

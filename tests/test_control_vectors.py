@@ -68,7 +68,7 @@ def plan_of(spec, base: Path, layer: int = 2):
 def loaded(spec, base: Path, layer: int = 2) -> np.ndarray:
     plan = plan_of(spec, base, layer)
     (vector,) = plan.vectors.values()
-    sites = {entry[0] for r in plan.requests for entry in r.payload["steer"]}
+    sites = {term.site for r in plan.requests for term in r.payload.steer}
     assert sites == {layer * 5 + POST_BLOCK_SITE}
     return vector
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import hf_oracle
+from support import hf_oracle
 from conftest import ALL_HOOKS, base_config, rel_err, run_config
 from interp_runner.sites import site_id
 from interp_runner.vectors import random_direction

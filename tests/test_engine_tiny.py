@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import hf_oracle
-from conftest import ALL_HOOKS, base_config, engine_at_every_site, rel_err, run_config
+from support import hf_oracle
+from conftest import ALL_HOOKS, MODEL_RUNNERS, base_config, engine_at_every_site, rel_err, run_config
 from interp_runner.sites import site_id
 from interp_runner.vectors import random_direction
 
@@ -27,7 +27,8 @@ def vector(seed=0, norm=4.0):
     return random_direction(seed=seed, norm=norm, size=128).tolist()
 
 
-def test_mixed_batch_unsteered_requests_are_bit_identical(tiny_engine):
+def test_mixed_batch_unsteered_requests_are_bit_identical(runner_engine):
+    tiny_engine = runner_engine
     steering = {"request": [{"prompts": [1], "base": {"post_block": {"layer": "all", "vector": vector()}}},
                             {"prompts": [3], "prefill": {"pre_attn": {"layer": 0, "vector": vector(1)}}}]}
     # both batches compute every prompt token (no cache reads), so the batch layout is the same
@@ -40,7 +41,8 @@ def test_mixed_batch_unsteered_requests_are_bit_identical(tiny_engine):
     assert mixed[1].logprobs != plain[1].logprobs and mixed[3].logprobs != plain[3].logprobs
 
 
-def test_steering_and_capture_match_hf(tiny_engine, tiny_path):
+def test_steering_and_capture_match_hf(runner_engine, tiny_path):
+    tiny_engine = runner_engine
     vec = np.asarray(vector(2, 3.0), dtype=np.float32)
     steering = {"global": {"base": {"mlp_out": {"layer": 2, "vector": vec.tolist()}}}}
     capture = [{"hooks": ALL_HOOKS, "layers": "all", "positions": "all_prompt"}]
@@ -88,7 +90,8 @@ def test_steering_at_every_hook_and_scale_matches_hf(tiny_engine, tiny_path):
         assert rel_err(unit[(2, "post_block")], ref[(2, "post_block")]) > 1e-2, (hook, scale)
 
 
-def test_prefix_cache_never_mixes_steered_and_unsteered_kv(tiny_engine):
+def test_prefix_cache_never_mixes_steered_and_unsteered_kv(runner_engine):
+    tiny_engine = runner_engine
     steered = {"global": {"prefill": {"post_block": {"layer": 1, "vector": vector(3)}}}}
     # reference results computed without reading the cache
     _, fresh_plain = run_config(tiny_engine, config([LONG]), skip_reading_prefix_cache=True)
@@ -168,7 +171,8 @@ def test_tiers_follow_prompt_length_under_chunked_prefill(chunked_engine, tiny_e
         assert rel_err(post_block, reference.captures[site_id(layer, "post_block")][1]) <= 1e-4
 
 
-def test_captures_that_overflow_the_capture_buffer_come_back_the_same(tiny_engine):
+def test_captures_that_overflow_the_capture_buffer_come_back_the_same(runner_engine):
+    tiny_engine = runner_engine
     """A step whose captured rows exceed the persistent buffer copies them out directly (outside CUDA graphs):
     same rows, same values as through the buffer."""
     import torch
@@ -192,7 +196,8 @@ def test_captures_that_overflow_the_capture_buffer_come_back_the_same(tiny_engin
             np.testing.assert_array_equal(values, b.captures[site][1])
 
 
-def test_ranks_that_applied_different_interventions_fail_the_run(tiny_engine):
+def test_ranks_that_applied_different_interventions_fail_the_run(runner_engine):
+    tiny_engine = runner_engine
     from interp_runner.engine import EngineError, VllmEngine
 
     steering = {"global": {"base": {"post_block": {"layer": 1, "vector": vector(5)}}}}
@@ -212,10 +217,12 @@ def test_ranks_that_applied_different_interventions_fail_the_run(tiny_engine):
         diverged.check_ranks()
 
 
-def test_teacher_forcing_generates_the_given_tokens_with_the_model_log_probabilities(tiny_path, tmp_path):
+@pytest.mark.parametrize("model_runner", MODEL_RUNNERS)
+def test_teacher_forcing_generates_the_given_tokens_with_the_model_log_probabilities(tiny_path, tmp_path,
+                                                                                      model_runner):
     """``sampling.teacher_forcing``: each request generates its namesake's tokens from a store (none of them the
     greedy choice here), with decode-tier steering on them and captures at them, all as HF computes them on the
-    prompt followed by those tokens."""
+    prompt followed by those tokens. V1 forces them with a logits processor, V2 in its sampler."""
     import xarray as xr
     import zarr
 
@@ -246,8 +253,10 @@ def test_teacher_forcing_generates_the_given_tokens_with_the_model_log_probabili
     plan = prepare(run).plan
     assert plan.engine_spec.force_tokens
     engine = VllmEngine(str(tiny_path), EngineConfig(dtype="float32", enforce_eager=True, max_model_len=1024,
-                                                     max_num_seqs=16), plan.engine_spec)
+                                                     max_num_seqs=16, model_runner=model_runner,
+                                                     kv_cache_memory_bytes=256 << 20), plan.engine_spec)
     try:
+        assert engine.model_runner == model_runner
         results = execute(engine, plan, log=lambda _: None, use_tqdm=False)
     finally:
         engine.close()

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-import hf_oracle
+from support import hf_oracle
 from conftest import build_engine, every_site, rel_err, run_config
 from interp_runner.sites import site_id
 from interp_runner.vectors import random_direction
@@ -144,11 +144,10 @@ def engine(smollm2_path):
 
 
 def _runner_info(worker) -> dict:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from interp_runner.plugin.runners.base import room_name
 
     runner = worker.model_runner
-    return {"class": f"{type(runner).__module__}.{type(runner).__name__}",
-            "v1": isinstance(runner, GPUModelRunner)}
+    return {"class": f"{type(runner).__module__}.{type(runner).__name__}", "room": room_name(runner)}
 
 
 def test_engine_is_bf16_with_cuda_graphs_and_instrumented_runner(engine):
@@ -159,9 +158,12 @@ def test_engine_is_bf16_with_cuda_graphs_and_instrumented_runner(engine):
     assert not vc.model_config.enforce_eager
     assert vc.compilation_config.mode != CompilationMode.NONE
     assert vc.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
-    # the planner hooks the V1 GPUModelRunner: a V2 runner would run the ops without ever filling their buffers
+    # the runner vLLM picked (VLLM_USE_V2_MODEL_RUNNER=0 / 1 picks V1 / V2: docs/model_runners.md) is one the
+    # planner drives: any other would run the ops without ever filling their buffers
     info = engine.llm.collective_rpc(_runner_info)[0]
-    assert info["v1"], f"model runner {info['class']} is not the instrumented V1 GPUModelRunner"
+    assert engine.status["runner_planned"] and engine.model_runner == info["room"], info
+    wanted = {"0": "v1", "1": "v2"}.get(os.environ.get("VLLM_USE_V2_MODEL_RUNNER", ""))
+    assert wanted in (None, engine.model_runner), (wanted, info)
     assert engine.status["loaded"] and len(engine.status["instrumented_layers"]) == LAYERS
     REPORT.append(f"runner {info['class']}, cudagraph_mode {vc.compilation_config.cudagraph_mode}")
 
@@ -298,8 +300,10 @@ def test_capture_all_generated_with_steering(engine, smollm2_path):
 @contextmanager
 def record_steps():
     """Per model forward: (tokens scheduled, requests, cudagraph runtime mode in effect, CUDA graph replays,
-    whether the step captured)."""
+    whether the step captured), under either model runner."""
+    from vllm.config import CUDAGraphMode
     from vllm.forward_context import get_forward_context
+    from vllm.v1.worker.gpu import model_runner as v2
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from interp_runner.plugin.runtime import InterpState
@@ -327,8 +331,26 @@ def record_steps():
         captures.append(captured)
         return captured
 
+    execute_v2, context_v2, modes = v2.GPUModelRunner.execute_model, v2.set_forward_context, []
+
+    def context(*args, **kwargs):  # V2 enters no forward context for a FULL graph's replay
+        modes.append(kwargs.get("cudagraph_runtime_mode"))
+        return context_v2(*args, **kwargs)
+
+    def execute(self, scheduler_output, *args, **kwargs):
+        start, seen = replays[0], len(modes)
+        out = execute_v2(self, scheduler_output, *args, **kwargs)
+        done = self.execute_model_state
+        if done is not None and not kwargs.get("dummy_run"):
+            mode = modes[-1] if len(modes) > seen else CUDAGraphMode.FULL
+            steps.append((done.input_batch.num_tokens, done.input_batch.num_reqs, mode, replays[0] - start,
+                          captures[-1] if captures else None))
+        return out
+
     with mock.patch.object(torch.cuda.CUDAGraph, "replay", replay), \
             mock.patch.object(GPUModelRunner, "_model_forward", forward), \
+            mock.patch.object(v2.GPUModelRunner, "execute_model", execute), \
+            mock.patch.object(v2, "set_forward_context", context), \
             mock.patch.object(InterpState, "before_forward", planner):
         yield steps
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import hf_oracle
+from support import hf_oracle
 from conftest import build_engine
 from interp_runner.sites import site_id
 from interp_runner.vectors import random_direction

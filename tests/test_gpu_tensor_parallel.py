@@ -22,7 +22,7 @@ import xarray as xr
 import yaml
 
 from conftest import REPO
-from tp_jobs import compiled, float_arrays, ranks_agree, report, run_jobs, within_bf16
+from support.tp_jobs import compiled, float_arrays, ranks_agree, report, run_jobs, within_bf16
 from test_tensor_parallel import trace_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]

@@ -24,7 +24,7 @@ import xarray as xr
 import yaml
 
 from conftest import REPO
-from tp_jobs import compiled, ranks_agree, report, run_jobs, within_bf16
+from support.tp_jobs import compiled, ranks_agree, report, run_jobs, within_bf16
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
 

@@ -46,7 +46,7 @@ def test_packed_cells_match_cells_alone_and_hf(trace_engine, smollm2_path):
     for fact in plan.layout.facts:
         ids, subject = list(fact.clean.token_ids), list(fact.subject_positions)
         mine = [r for r in cells if r.meta["fact"] == fact.index]
-        keys = [(r.meta["kind"], r.meta["layer"], r.meta["token"]) for r in mine]
+        keys = [(r.meta["component"], r.meta["layer"], r.meta["token"]) for r in mine]
         noise = plan.layout.noise[fact.index][0]
         want, _ = hf_trace(smollm2_path, ids, subject, noise, fact.clean.answer_ids[0], keys)
         got = {pack: np.array([float(runs[pack][r.rid].score["logprobs"][0]) for r in mine]) for pack in runs}

@@ -59,6 +59,7 @@ def test_fewer_than_two_groups_leave_the_job_as_it_is(tmp_path, monkeypatch):
 
 
 @pytest.mark.engine
+@pytest.mark.cli
 def test_a_joblib_sweep_runs_each_job_in_its_own_process_on_its_own_gpu(tmp_path, monkeypatch):
     """Two tiny jobs through ``hydra/launcher=parallel``: each job process builds its own engine and writes a
     complete store. With two GPUs listed (ignored by the CPU engine), each job process is bound to one of them."""

@@ -235,11 +235,11 @@ def test_capture_rows_cpu(count, dtype, with_extra, out_dtype):
 
 
 def test_kernels_under_the_triton_interpreter():
-    """tests/interpreter_kernels.py in a fresh process: vLLM's import reconfigures Triton on a machine without a
-    GPU driver, after which the interpreter cannot run every kernel, so it must not share this process."""
+    """tests/support/interpreter_kernels.py in a fresh process: vLLM's import reconfigures Triton on a machine
+    without a GPU driver, after which the interpreter cannot run every kernel, so it must not share this process."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).with_name(
-            "interpreter_kernels.py"))],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(Path(__file__).parent / "support" / "interpreter_kernels.py")],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

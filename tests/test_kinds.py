@@ -14,10 +14,10 @@ import zarr
 from conftest import REPO, FakeEngineBase, base_config
 from interp_runner.config import ConfigError
 from interp_runner.config.schema import Sampling
+from interp_runner.contracts import DECODE, PREFILL, Capture, Steer
 from interp_runner.engine import RequestResult
 from interp_runner.journal import Journal
 from interp_runner.kinds import DEFAULT, KINDS, kind_for, kind_of_store
-from interp_runner.payload import DECODE, PREFILL
 from interp_runner.pipeline import execute, prepare
 from interp_runner.plan import Plan
 from interp_runner.request_build import Prompt, engine_spec_of, make_request
@@ -78,7 +78,7 @@ def test_prompts_keys_a_kind_does_not_exclude_may_be_set():
 
 def test_a_plan_records_the_kind_that_compiled_it():
     assert prepare(base_config()).plan.kind == "prompts"
-    trace = trace_config(num_facts=1, kinds=["resid", "attn"], layers=[0], window=2, noise={"samples": 1})
+    trace = trace_config(num_facts=1, components=["resid", "attn"], layers=[0], window=2, noise={"samples": 1})
     assert prepare(trace).plan.kind == "causal_trace"
 
 
@@ -112,7 +112,7 @@ def test_trace_headline_is_the_mean_resid_effect_at_the_last_subject_token():
     kind = kind_of_store(attrs)
     headline = kind.headline(ds)
     assert "resid" in headline.label and "last subject" in headline.label
-    resid = list(ds["kind"].values).index("resid")
+    resid = list(ds["component"].values).index("resid")
     grid = ds["indirect_effect"].values[:, resid]  # (fact, layer, token)
     last = ds["subject_end"].values - 1
     expected = np.mean([grid[f, :, last[f]] for f in range(ds.sizes["fact"]) if not ds["filtered"].values[f]])
@@ -129,7 +129,7 @@ def test_trace_report_has_a_row_per_fact_and_a_section_per_kept_fact():
     kept = [str(f) for f, filtered in zip(ds["fact_id"].values, ds["filtered"].values) if not filtered]
     assert [s.title for s in sections[1:]] == [f"Fact {f}" for f in kept]
     for section in sections[1:]:
-        assert [row[0] for row in section.tables[0].rows] == [str(k) for k in ds["kind"].values]
+        assert [row[0] for row in section.tables[0].rows] == [str(k) for k in ds["component"].values]
 
 
 def test_prompts_report_and_headline():
@@ -167,9 +167,9 @@ class Recorder(FakeEngineBase):
 def derived_plan(seen: list) -> Plan:
     prompts = [Prompt(i, f"p{i}", f"text {i}", (1, 2, 3 + i)) for i in range(2)]
     s = Sampling(max_tokens=1)
-    capture = [[[SITE], b"", False]]
+    capture = [Capture((SITE,), b"", False)]
     requests = [make_request("a", prompts[0], s, capture=capture), make_request("b", prompts[1], s, capture=capture),
-                make_request("c", prompts[0], s, steer=[[SITE, PREFILL | DECODE, "derived", 1.0]], stage=1)]
+                make_request("c", prompts[0], s, steer=[Steer(SITE, PREFILL | DECODE, "derived", 1.0)], stage=1)]
 
     def derive(results: dict) -> dict:
         seen.append(sorted(results))

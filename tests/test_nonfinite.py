@@ -17,7 +17,7 @@ import pytest
 import torch
 import xarray as xr
 
-import hf_oracle
+from support import hf_oracle
 from conftest import base_config, run_config, run_plan
 from interp_runner.config import ConfigError
 from interp_runner.kinds.prompts import KIND as PROMPTS
@@ -111,8 +111,11 @@ def test_summary_says_how_many_requests_were_flagged_and_which():
 def test_flags_reach_only_the_requests_of_bad_rows_and_a_slot_starts_clean_for_its_next_owner():
     from test_plugin import _planner, _request, _runner
 
+    from interp_runner.contracts import RequestPayload
+
     state = _planner()
-    payloads = {"A": (3, {"rid": "A"}), "B": (2, None), "C": (2, {"rid": "C"}), "D": (2, {"rid": "D"})}
+    payloads = {"A": (3, RequestPayload("A")), "B": (2, None), "C": (2, RequestPayload("C")),
+                "D": (2, RequestPayload("D"))}
     requests = {rid: _request(p, n) for rid, (n, p) in payloads.items()}
 
     def step(rows, bad_rows, live=requests):
@@ -268,7 +271,7 @@ def test_cells_packed_after_an_overflowing_corruption_are_flagged_and_never_in_t
     from interp_runner.kinds.trace_grids import trace_dataset
     from test_causal_trace import long_fact, run_packed, trace_config
 
-    config = trace_config("tiny_random", kinds=["resid", "mlp"], layers=[0, 3], window=1,
+    config = trace_config("tiny_random", components=["resid", "mlp"], layers=[0, 3], window=1,
                           noise={"samples": 1, "k": 1e21}, filter=False, num_facts=1, facts=long_fact(tmp_path, 34))
     config["engine"].update(max_model_len=1024, cell_entry_stride=1)
     plan, results = run_packed(tiny_engine, config, True)

@@ -74,14 +74,14 @@ def test_alpha_0_is_the_identity(tiny_engine):
 ALPHAS = (0.25, 0.5, 0.8)
 
 
-def test_intermediate_alphas_mix_as_hf_hooks_do(tiny_engine, tiny_path):
+def test_intermediate_alphas_mix_as_hf_hooks_do(runner_engine, tiny_path):
     """value <- (1 - alpha) * value + alpha * source at every hook, checked against plain HF hooks that mix the
     clean run's values into the corrupted run themselves; alpha**2 (or 1 - alpha) would move these scores by far
     more than the tolerance."""
+    tiny_engine = runner_engine
     import torch
 
-    import hf_oracle
-
+    from support import hf_oracle
     layers, positions = [1, 2], [1, 2, 3, -1]
     specs = [(hook, alpha) for hook in ALL_HOOKS for alpha in ALPHAS]
     patching = [{"prompts": [1], "source": {"prompt": 0}, "hook": hook, "layers": layers, "positions": positions,
@@ -157,7 +157,8 @@ def test_an_unpatched_request_after_patched_ones_matches_a_fresh_engine(tiny_eng
         assert a.top_logprobs == b.top_logprobs
 
 
-def test_patched_kv_is_only_shared_before_the_first_patched_position(tiny_engine):
+def test_patched_kv_is_only_shared_before_the_first_patched_position(runner_engine):
+    tiny_engine = runner_engine
     # CPU KV blocks hold 128 tokens: a patch at position 200 leaves block [0, 128) shareable
     plain = base_config(prompts={"items": [LONG]}, sampling={"max_tokens": 3})
     patch = [{"prompts": [0], "source": {"vector": {"random": {"seed": 5, "norm": 8.0}}}, "hook": "post_block",
@@ -173,7 +174,7 @@ def test_patched_kv_is_only_shared_before_the_first_patched_position(tiny_engine
     assert np.abs(np.array(first.logprobs) - np.array(fresh_plain[0].logprobs)).max() > 1e-4
     # no other request of its plan has this patch: its blocks from position 200 on were never cached, so the same
     # patch in a later plan recomputes them (to the same values), and an unpatched request never gets them
-    assert next(r for r in plan.requests if r.role == "patched").payload["kv_private"] == 200
+    assert next(r for r in plan.requests if r.role == "patched").payload.kv_private == 200
     plan3, repeat = run_plan(tiny_engine, {**plain, "patching": patch})
     again = by_role(plan3, repeat, "patched", 0)
     assert again.cached_tokens == 128
@@ -210,23 +211,24 @@ def test_a_request_whose_source_is_missing_is_voided(tiny_engine):
     assert ds["status"].values.tolist() == ["done", "done", "void", "done"]
 
 
-def test_values_kept_on_the_workers_are_the_captured_values(tiny_engine):
+def test_values_kept_on_the_workers_are_the_captured_values(runner_engine):
     """A source run keeps the values stage 1 patches in on the workers, written in the step that computes them:
     the bank then holds exactly what a capture of the same sites and positions returns, through the capture
     buffer (which holds a row captured and kept once) or, in a step that overflows it, copied directly. Released,
     they are freed once no request uses them: at once, once the request that kept them has finished."""
     import torch
 
-    from interp_runner.plugin import runtime
+    from interp_runner.plugin.runner_patches import state_of
 
+    tiny_engine = runner_engine
     config = base_config(prompts=scored(CLEAN, CORRUPT), sampling={"max_tokens": 1}, patching=[
         {"prompts": [1], "source": {"prompt": 0}, "hook": "post_block", "layers": "all"}],
         capture=[{"name": "clean", "hooks": ["post_block"], "layers": "all", "positions": "all_prompt",
                   "prompts": [0]}])
     plan = prepare(config).plan
     source = plan.requests[0]
-    assert source.payload["keep"]["groups"] and len(plan.refs) == 4 * len(source.prompt.token_ids)
-    state = runtime.active_state()
+    assert source.payload.keep.groups and len(plan.refs) == 4 * len(source.prompt.token_ids)
+    state = tiny_engine.llm.collective_rpc(lambda worker: state_of(worker.model_runner))[0]  # this engine's
     for overflow in (False, True):
         kept_buffer = state.cap_out
         if overflow:
@@ -248,8 +250,7 @@ def test_values_kept_on_the_workers_are_the_captured_values(tiny_engine):
 def test_scores_are_exact_logprobs_whatever_the_rank(tiny_engine, tiny_path):
     import torch
 
-    import hf_oracle
-
+    from support import hf_oracle
     answers = [" Paris", " zebra", "!"]
     config = base_config(prompts={"items": [{"text": CLEAN, "answer": a, "foil": " Rome"} for a in answers]},
                          sampling={"max_tokens": 1})

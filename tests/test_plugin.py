@@ -206,9 +206,12 @@ def _planner(hidden=16, sites=(4, 9)):
         return runtime.InterpState(cfg, {"plugin": "test", "steer_sites": list(sites), "capture_sites": [sites[0]]})
 
 
-def _request(payload: dict | None, prompt_len: int):
-    """A worker-side request as the planner reads it."""
-    return NS(sampling_params=NS(extra_args={"interp": payload} if payload else None), num_prompt_tokens=prompt_len)
+def _request(payload, prompt_len: int):
+    """A worker-side request as the planner reads it: its payload (a ``RequestPayload`` or None) as it travels."""
+    from interp_runner.contracts import encode_payload
+
+    extra = {"interp": encode_payload(payload)} if payload is not None else None
+    return NS(sampling_params=NS(extra_args=extra), num_prompt_tokens=prompt_len)
 
 
 def _runner(requests: dict, step: list[tuple[str, int, int]]):
@@ -234,17 +237,18 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
 
     import numpy as np
 
-    from interp_runner.payload import DECODE, PREFILL, pack_positions
+    from interp_runner.contracts import DECODE, PREFILL, Capture, RequestPayload, Steer
+    from interp_runner.payload import pack_positions
     from interp_runner.plugin.runtime import InterpState
 
     hidden, sites = 16, (4, 9)
     rng = np.random.default_rng(1)
     vectors = {f"v{i}": rng.standard_normal(hidden).astype(np.float32) for i in range(3)}
     payloads = {  # request -> (prompt length, payload or None)
-        "A": (5, {"rid": "A", "steer": [[4, PREFILL | DECODE, "v0", 2.0], [9, DECODE, "v1", 1.0]]}),
+        "A": (5, RequestPayload("A", steer=(Steer(4, PREFILL | DECODE, "v0", 2.0), Steer(9, DECODE, "v1", 1.0)))),
         "B": (3, None),
-        "C": (6, {"rid": "C", "steer": [[9, PREFILL, "v2", -1.0], [9, DECODE, "v0", 0.5]]}),
-        "D": (4, {"rid": "D", "capture": [[[4], pack_positions([3]), False]]}),
+        "C": (6, RequestPayload("C", steer=(Steer(9, PREFILL, "v2", -1.0), Steer(9, DECODE, "v0", 0.5)))),
+        "D": (4, RequestPayload("D", capture=(Capture((4,), pack_positions([3]), False),))),
     }
     # each step: (request, first position, rows) in batch order
     schedule = [[("A", 0, 5), ("B", 0, 3)]] + [[("A", 5 + s, 1), ("B", 3 + s, 1)] for s in range(3)]
@@ -259,9 +263,9 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
         prompt_len, payload = payloads[rid]
         phase = PREFILL if position < prompt_len else DECODE
         total = np.zeros(hidden, np.float32)
-        for s, phases, key, scale in (payload or {}).get("steer", ()):
-            if s == site and phases & phase:
-                total += np.float32(scale) * vectors[key]
+        for term in payload.steer if payload is not None else ():
+            if term.site == site and term.phases & phase:
+                total += np.float32(term.scale) * vectors[term.vector]
         return total
 
     def run(fresh_every_step: bool):
@@ -301,7 +305,7 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
 def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fills():
     import numpy as np
 
-    from interp_runner.payload import DECODE, PREFILL
+    from interp_runner.contracts import DECODE, PREFILL, RequestPayload, Steer
 
     hidden, site = 16, 4
     state = _planner(hidden, (site,))  # 8 sequences: 17 slots, 8 steering keys at once
@@ -311,7 +315,7 @@ def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fi
 
     def wave(keys):
         """One prefill step of a request per key; returns each request's prefill slot."""
-        requests = {f"{k}-{id(keys)}": _request({"rid": k, "steer": [[site, PREFILL | DECODE, k, 1.0]]}, 1)
+        requests = {f"{k}-{id(keys)}": _request(RequestPayload(k, steer=(Steer(site, PREFILL | DECODE, k, 1.0),)), 1)
                     for k in keys}
         state.before_forward(_runner(requests, [(rid, 0, 1) for rid in requests]), len(keys))
         slots = state.steering.row_slot.numpy()[: len(keys)].copy()
@@ -339,14 +343,15 @@ def test_a_vector_registered_again_with_new_values_is_never_served_from_an_idle_
     takes the new values, not the slot the old ones left in the table."""
     import numpy as np
 
-    from interp_runner.payload import DECODE, PREFILL
+    from interp_runner.contracts import DECODE, PREFILL, RequestPayload, Steer
 
     hidden, site = 16, 4
     state = _planner(hidden, (site,))
     old, new = (np.full(hidden, v, np.float32) for v in (1.0, -2.0))
 
     def steered_with(name: str, job: int) -> np.ndarray:
-        requests = {f"r{job}": _request({"rid": f"r{job}", "steer": [[site, PREFILL | DECODE, name, 1.0]]}, 1)}
+        requests = {f"r{job}": _request(RequestPayload(f"r{job}", steer=(Steer(site, PREFILL | DECODE, name, 1.0),)),
+                                        1)}
         state.before_forward(_runner(requests, [(f"r{job}", 0, 1)]), 1)
         value = state.steering.table[0, state.steering.row_slot.numpy()[0]].numpy().copy()
         state.after_forward()
@@ -370,6 +375,7 @@ def test_finished_requests_free_their_bank_rows_before_the_runner_drops_them():
     import torch
     import vllm.distributed
 
+    from interp_runner.contracts import Keep, KeepGroup, RequestPayload
     from interp_runner.payload import pack_positions, ref_key
     from interp_runner.plugin import runtime
 
@@ -378,8 +384,8 @@ def test_finished_requests_free_their_bank_rows_before_the_runner_drops_them():
     with mock.patch.object(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 0):
         state = runtime.InterpState(cfg, {"plugin": "test", "steer_sites": [], "capture_sites": [4],
                                           "patch_sites": [4], "bank_rows": 4})
-    keep = {"run": "clean", "groups": [[[4], pack_positions(range(4))]]}
-    requests = {"clean-0001": _request({"rid": "clean", "keep": keep}, 4)}
+    keep = Keep("clean", (KeepGroup((4,), pack_positions(range(4))),))
+    requests = {"clean-0001": _request(RequestPayload("clean", keep=keep), 4)}
     state.before_forward(_runner(requests, [("clean-0001", 0, 4)]), 4)
     state.after_forward()
     kept = [ref_key("clean", 4, p) for p in range(4)]
@@ -400,12 +406,13 @@ def test_overlapping_capture_specs_copy_each_row_once_even_in_a_step_of_one_requ
     import numpy as np
     import torch
 
+    from interp_runner.contracts import Capture, RequestPayload
     from interp_runner.payload import pack_positions
 
     hidden, site, prompt_len = 16, 4, 10
     state = _planner(hidden, (site,))
-    payload = {"rid": "A", "capture": [[[site], pack_positions([prompt_len - 1]), False],
-                                       [[site], pack_positions(range(prompt_len)), False]]}
+    payload = RequestPayload("A", capture=(Capture((site,), pack_positions([prompt_len - 1]), False),
+                                           Capture((site,), pack_positions(range(prompt_len)), False)))
     state.before_forward(_runner({"A": _request(payload, prompt_len)}, [("A", 0, prompt_len)]), prompt_len)
     x = torch.arange(prompt_len * hidden, dtype=torch.float32).reshape(prompt_len, hidden) + 1
     extra = torch.full_like(x, 0.5)
@@ -417,14 +424,16 @@ def test_overlapping_capture_specs_copy_each_row_once_even_in_a_step_of_one_requ
 
 
 def test_private_blocks_get_placeholder_hashes_and_stay_out_of_the_prefix_cache():
+    from interp_runner.contracts import KvRange, RequestPayload, encode_payload
     from interp_runner.plugin import prefix_cache as pc
 
-    def request(rid, payload):
-        return NS(request_id=rid, sampling_params=NS(extra_args={"interp": payload}))
+    def request(rid, kv, private=None):
+        payload = RequestPayload(rid, kv=tuple(KvRange(*x) for x in kv), kv_private=private)
+        return NS(request_id=rid, sampling_params=NS(extra_args={"interp": encode_payload(payload)}))
 
     vllm_keys = pc._with_interventions(lambda req, start, end, mm: (None, mm))
-    cell = request("c-1", {"kv": [[1, 2, "noise"], [40, 41, "restore"]], "kv_private": 40})
-    plain = request("p-1", {"kv": [[1, 2, "noise"]]})
+    cell = request("c-1", [(1, 2, "noise"), (40, 41, "restore")], 40)
+    plain = request("p-1", [(1, 2, "noise")])
     # blocks of 16: before the private position, the interventions' digests as usual; from its block on, a
     # placeholder naming the request and block
     assert vllm_keys(cell, 0, 16, 0)[0] == ("interp", "noise") == vllm_keys(plain, 0, 16, 0)[0]
@@ -433,8 +442,8 @@ def test_private_blocks_get_placeholder_hashes_and_stay_out_of_the_prefix_cache(
     assert vllm_keys(plain, 32, 48, 0)[0] is None
     contents = pc._private_placeholder(lambda fn, parent, tokens, keys: b"hash of contents")
     assert contents(None, None, [1] * 16, ("interp", "noise")) == b"hash of contents"
-    placeholders = {contents(None, b"x", [1] * 16, vllm_keys(r, 48, 64, 0)[0]) for r in (cell, request("c-2", {
-        "kv": [[40, 41, "restore"]], "kv_private": 40}))}
+    placeholders = {contents(None, b"x", [1] * 16, vllm_keys(r, 48, 64, 0)[0])
+                    for r in (cell, request("c-2", [(40, 41, "restore")], 40))}
     assert len(placeholders) == 2 and all(p.startswith(pc.PRIVATE.encode()) for p in placeholders)
 
     masks = []
@@ -456,18 +465,18 @@ def test_private_blocks_are_hashed_in_bulk_as_vllm_hashes_them_one_by_one():
     from vllm.v1.engine import core
     from vllm.v1.request import Request
 
+    from interp_runner.contracts import KvRange, RequestPayload, encode_payload
     from interp_runner.plugin import prefix_cache as pc
 
     pc.instrument_block_hashing()
     kv_cache_utils.init_none_hash(sha256_cbor)
     for private, n in [(None, 100), (0, 100), (17, 100), (32, 100), (99, 100), (50, 60), (64, 64), (192, 2000)]:
-        payload = {"rid": "x", "kv": [[3, 4, "noise"], [40, 41, "restore"]]}
-        if private is not None:
-            payload["kv_private"] = private
+        payload = RequestPayload("x", kv=(KvRange(3, 4, "noise"), KvRange(40, 41, "restore")), kv_private=private)
         hashes = []
         for factory in (kv_cache_utils.get_request_block_hasher, core.get_request_block_hasher):
             request = Request(request_id="r-1", prompt_token_ids=list(range(n)), pooling_params=None,
-                              sampling_params=SamplingParams(max_tokens=20, extra_args={"interp": payload}),
+                              sampling_params=SamplingParams(max_tokens=20,
+                                                             extra_args={"interp": encode_payload(payload)}),
                               block_hasher=factory(16, sha256_cbor))
             request.append_output_token_ids(list(range(20)))
             hashes.append(list(request.block_hashes))
@@ -482,6 +491,7 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
     import torch
     import vllm.distributed
 
+    from interp_runner.contracts import PatchColumns, RequestPayload
     from interp_runner.payload import pack_positions
     from interp_runner.plugin import runtime
 
@@ -493,14 +503,14 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
     state.register_sources({k: np.full(4, i, np.float32).tobytes() for i, k in enumerate(("s1", "s2", "s3"))})
     bank = state.patch_bank.rows
 
-    def patch(entries):  # (site, position, source, a, b)
-        sites, positions, keys, a, b = zip(*entries)
-        return {"patch": {"site": pack_positions(sites), "pos": pack_positions(positions), "src": list(keys),
-                          "a": np.array(a, np.float32).tobytes(), "b": np.array(b, np.float32).tobytes()}}
+    def patch(entries):  # (site, position, source, value weight, source weight)
+        sites, positions, keys, keep, take = zip(*entries)
+        return PatchColumns(pack_positions(sites), pack_positions(positions), keys,
+                            np.array(keep, np.float32).tobytes(), np.array(take, np.float32).tobytes())
 
-    first = _request({"rid": "one", **patch([(9, 5, "s1", 0.0, 1.0), (4, 2, "s2", 0.5, 0.5),
-                                            (9, 5, "s3", 0.25, 0.75)])}, 8)
-    other = _request({"rid": "two", **patch([(4, 0, "s1", 0.0, 1.0)])}, 3)
+    first = _request(RequestPayload("one", patch=patch([(9, 5, "s1", 0.0, 1.0), (4, 2, "s2", 0.5, 0.5),
+                                                        (9, 5, "s3", 0.25, 0.75)])), 8)
+    other = _request(RequestPayload("two", patch=patch([(4, 0, "s1", 0.0, 1.0)])), 3)
     requests = {"a": first, "b": other}
 
     def applied():
@@ -519,10 +529,12 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
 def test_a_request_of_many_patch_entries_gets_the_entries_a_few_would(monkeypatch):
     """Packed cells' requests carry hundreds of entries, sorted in numpy: the same entries, winners and order as the
     plain path gives, and a site the engine lacks is refused the same way."""
+    import msgspec
     import numpy as np
     import pytest
     import torch
 
+    from interp_runner.contracts import PatchColumns
     from interp_runner.plugin import patches
 
     sites = (3, 7, 8, 20, 31)
@@ -531,13 +543,14 @@ def test_a_request_of_many_patch_entries_gets_the_entries_a_few_would(monkeypatc
     for n in (33, 64, 400):
         s, p = rng.choice(sites, n).astype(np.int32), rng.integers(0, 40, n).astype(np.int32)  # with repeats
         a, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-        patch = {"site": s.tobytes(), "pos": p.tobytes(), "a": a.tobytes(), "b": b.tobytes()}
+        patch = PatchColumns(s.tobytes(), p.tobytes(), ("src",) * n, a.tobytes(), b.tobytes())
         banks = rng.integers(0, 100, n).tolist()
         monkeypatch.setattr(patches, "MANY_ENTRIES", 10**9)
         few = rows.entries(patch, banks)
         monkeypatch.setattr(patches, "MANY_ENTRIES", 32)
         assert rows.entries(patch, banks) == few and len(few.positions) < n
-    patch["site"] = np.array([*s[:-1], 5], dtype=np.int32).tobytes()  # 5: not a patch site of this engine
+    patch = msgspec.structs.replace(patch, sites=np.array([*s[:-1], 5], dtype=np.int32).tobytes())  # 5: not a
+    # patch site of this engine
     with pytest.raises(KeyError):
         rows.entries(patch, banks)
 

@@ -10,6 +10,7 @@ import pytest
 import zarr
 
 from conftest import REPO
+from support import inprocess
 from interp_runner.engine_startup import StartupPhases, describe
 from interp_runner.progress import StageProgress
 
@@ -54,6 +55,7 @@ def test_startup_phases_are_read_from_vllms_own_timing_records():
     assert StartupPhases().summary(compiled=False)["compile_cache"] == "not compiled"
 
 
+@pytest.mark.cli
 def test_python_dash_m_is_interp_run():
     for module in ("interp_runner", "interp_runner.cli"):
         proc = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", module, "+experiment=steering_smoke",
@@ -63,6 +65,7 @@ def test_python_dash_m_is_interp_run():
         assert "dry run: config valid, requests sha256" in proc.stdout, module
 
 
+@pytest.mark.cli
 def test_python_dash_m_leaves_the_working_directory_off_the_import_path(tmp_path):
     # a folder named as a package that transformers probes for, in the working directory (the repository's kernels/)
     marker = tmp_path / "imported"
@@ -83,9 +86,8 @@ def test_python_dash_m_leaves_the_working_directory_off_the_import_path(tmp_path
 @pytest.mark.engine
 def test_a_run_logs_progress_and_records_its_phases(tmp_path):
     store = tmp_path / "trace.zarr"
-    proc = subprocess.run([str(REPO / ".venv" / "bin" / "interp-run"), *TRACE, f"store.path={store}",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    # through the CLI's main in this process, on an engine of its own: the run starts it (``support.inprocess``)
+    proc = inprocess.interp_run(*TRACE, f"store.path={store}", f"hydra.run.dir={tmp_path / 'run'}", engines=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     units = [line for line in out.splitlines() if line.startswith("stage 1: unit ")]

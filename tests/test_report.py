@@ -6,6 +6,7 @@ views are concerned. The browser's view is tests/test_report_browser.py's.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import shutil
@@ -21,7 +22,7 @@ from conftest import REPO
 from interp_runner.kinds.base import Headline, Section, Table
 from interp_runner.report import cli as report_cli, run_report
 from interp_runner.report.run_report import write_report
-from interp_runner.report.sweep_index import write_sweep_index
+from interp_runner.report.sweep_index import write_index_page, write_sweep_index
 from interp_runner.sweep import INDEX, record_job, swept_parameters
 
 GOLDEN = REPO / "experiments" / "golden"
@@ -36,6 +37,7 @@ class Page(HTMLParser):
         self.tags: list[tuple[str, dict]] = []
         self.headings: dict[str, list[str]] = {"h1": [], "h2": [], "h3": []}
         self.tables: list[list[list[str]]] = []
+        self.scripts: list[str] = []
         self.text: list[str] = []
         self._in: str | None = None  # the heading or cell whose text is being read
         self.feed(html)
@@ -52,12 +54,18 @@ class Page(HTMLParser):
         elif tag in self.headings:
             self.headings[tag].append("")
             self._in = tag
+        elif tag == "script":
+            self.scripts.append("")
+            self._in = "script"
 
     def handle_endtag(self, tag):
-        if tag in ("td", "th", *self.headings):
+        if tag in ("td", "th", "script", *self.headings):
             self._in = None
 
     def handle_data(self, data):
+        if self._in == "script":
+            self.scripts[-1] += data
+            return
         self.text.append(data)
         if self._in == "cell":
             self.tables[-1][-1][-1] += data
@@ -94,6 +102,8 @@ class FakeKind:
     """Shows some of the figures in a section of its own, and hostile text everywhere it can."""
 
     name = "fake"
+    section = None
+    report_settings = (f"settings {HOSTILE}", ("hostile",))
 
     def __init__(self, shown: int = 1, headline_attr: str | None = None):
         self.shown, self.headline_attr = shown, headline_attr
@@ -112,6 +122,9 @@ class FakeKind:
             return None
         return Headline("p(answer)", float(ds.attrs[self.headline_attr]))
 
+    def counts(self, ds):
+        return [(f"things {HOSTILE}", 1234), ("requests twice", 2 * int(ds.attrs["num_requests"]))]
+
 
 def store_copy(name: str, path: Path, **attrs) -> Path:
     shutil.copytree(GOLDEN / f"{name}.zarr", path)
@@ -120,17 +133,24 @@ def store_copy(name: str, path: Path, **attrs) -> Path:
     return path
 
 
-def assert_self_contained(page: Page, hrefs_allowed=("#",)) -> None:
-    """No script, stylesheet link, frame or object; every src a data: URI; links only where allowed; a CSP."""
-    assert not [t for t, _ in page.tags if t in ("script", "link", "iframe", "object", "embed", "base")]
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+
+
+def assert_self_contained(page: Page, hrefs_allowed=("#",), scripts: int = 0) -> None:
+    """No stylesheet link, frame or object; ``scripts`` inline scripts, each admitted by its sha256 in the CSP and
+    nothing else; every src a data: URI; links only where allowed; no event handler attributes."""
+    assert not [t for t, _ in page.tags if t in ("link", "iframe", "object", "embed", "base")]
     for tag, attrs in page.tags:
         if "src" in attrs:
             assert attrs["src"].startswith("data:image/"), (tag, attrs["src"][:80])
         if "href" in attrs:
             assert attrs["href"].startswith(hrefs_allowed), attrs["href"]
         assert not any(name.startswith("on") for name in attrs), (tag, attrs)
+    assert [a for a in page.all("script")] == [{}] * scripts  # inline, no src or type
+    hashes = "".join(f" 'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'"
+                     for s in page.scripts)
     csp = [a["content"] for a in page.all("meta") if a.get("http-equiv") == "Content-Security-Policy"]
-    assert csp == ["default-src 'none'; img-src data:; style-src 'unsafe-inline'"]
+    assert csp == [CSP + (f"; script-src{hashes}" if scripts else "")]
 
 
 # ------------------------------------------------------------------ one store
@@ -159,7 +179,7 @@ def test_every_figure_is_inline_once_with_its_exact_bytes(figured_store):
     for image, data in zip(images, figures.values()):
         assert base64.b64decode(image["src"].removeprefix("data:image/png;base64,")) == data
     assert "1 figure(s) shown in the sections above; the others:" in page.words()
-    assert_self_contained(page)
+    assert_self_contained(page, scripts=1)
 
 
 def test_a_missing_figure_or_one_that_is_no_image_is_named_and_not_shown(figured_store):
@@ -176,13 +196,16 @@ def test_a_missing_figure_or_one_that_is_no_image_is_named_and_not_shown(figured
 def test_everything_from_the_store_and_the_kind_is_escaped(tmp_path):
     store = store_copy("steering_smoke", tmp_path / "results.zarr",
                        config_yaml=f"prompts:\n  items: ['{HOSTILE}']\n", overrides=[f"x={HOSTILE}"],
-                       experiment={"name": HOSTILE, "version": 1})
+                       experiment={"name": HOSTILE, "version": 1}, hostile=HOSTILE,
+                       model={"path": f"/models/{HOSTILE}"})
     page = read_page(write_report(store, kind_for=lambda ds: FakeKind()))
-    assert_self_contained(page)
+    assert_self_contained(page, scripts=1)
     text = "".join(page.text)
-    for shown in (f"summary {HOSTILE}", f"first paragraph {HOSTILE}", f"items: ['{HOSTILE}']", f"{HOSTILE} v1"):
+    for shown in (f"summary {HOSTILE}", f"first paragraph {HOSTILE}", f"items: ['{HOSTILE}']", f"{HOSTILE} v1",
+                  f"1,234 things {HOSTILE}", HOSTILE.split("/")[-1]):
         assert shown in text, shown
     assert f"Fake section {HOSTILE}" in page.headings["h2"] and f"table {HOSTILE}" in page.headings["h3"]
+    assert f"settings {HOSTILE}" in page.headings["h3"] and ["hostile", HOSTILE] in page.tables[0]
     assert HOSTILE in page.cells and "3.142" in page.cells and "0.5" in page.cells
 
 
@@ -305,7 +328,8 @@ def test_record_job_writes_the_index_page_and_never_fails_a_job_for_it(tmp_path,
     monkeypatch.setattr(run_report, "default_kind", lambda ds: FakeKind(headline_attr="score"))
     jobs = sweep_of_stores(tmp_path, [1, 2])
     for job in jobs:
-        record_job(tmp_path, job["num"], job["overrides"], tmp_path / job["store"], job["status"])
+        record_job(tmp_path, job["num"], job["overrides"], tmp_path / job["store"], job["status"],
+                   on_recorded=write_index_page)
     assert [row[:2] for row in read_page(tmp_path / "index.html").table("job", "causal_trace.noise.k")] == \
         [["0", "1"], ["1", "2"]]
 
@@ -314,7 +338,8 @@ def test_record_job_writes_the_index_page_and_never_fails_a_job_for_it(tmp_path,
 
     with monkeypatch.context() as patched:
         patched.setattr("interp_runner.report.sweep_index.write_html", no_space)
-        record_job(tmp_path, 2, ["causal_trace.noise.k=3", "model=tiny_random"], None, "config_error")
+        record_job(tmp_path, 2, ["causal_trace.noise.k=3", "model=tiny_random"], None, "config_error",
+                   on_recorded=write_index_page)
     assert [j["num"] for j in json.loads((tmp_path / INDEX).read_text())["jobs"]] == [0, 1, 2]
     assert "warning: the sweep's index page was not written (OSError" in capsys.readouterr().err
 
@@ -322,7 +347,8 @@ def test_record_job_writes_the_index_page_and_never_fails_a_job_for_it(tmp_path,
         raise RuntimeError("a broken kind")
 
     monkeypatch.setattr(run_report, "default_kind", broken)
-    record_job(tmp_path, 2, ["causal_trace.noise.k=3", "model=tiny_random"], None, "config_error")
+    record_job(tmp_path, 2, ["causal_trace.noise.k=3", "model=tiny_random"], None, "config_error",
+                   on_recorded=write_index_page)
     page = read_page(tmp_path / "index.html")  # a kind that fails spoils its rows only
     assert [row[3] for row in page.table("job")] == ["RuntimeError: a broken kind", "—", "—"]
     assert page.all("img") == []

@@ -16,6 +16,7 @@ from interp_runner.config import ConfigError
 from interp_runner.pipeline import run
 from interp_runner.store_claim import StoreTarget
 from test_report import read_page
+from test_report_views import header
 from test_store import store_config
 from test_store_safety import NoEngine, engine_serving, snapshot
 
@@ -44,6 +45,8 @@ def test_a_run_writes_the_report_of_its_complete_store_beside_it(tmp_path):
     assert cells["status"] == "complete" and cells["finished_at"] == attrs["finished_at"]
     assert cells["run_key"] == attrs["run_key"] and cells["store_s"] == str(attrs["timings"]["store_s"])
     assert page.headings["h1"] == [f"{attrs['experiment']['name']} v{attrs['experiment']['version']}"]
+    # rendered while the store was staged, it names where the store is now
+    assert header((store.parent / "results.zarr.report.html").read_text())["store"] == str(store)
 
 
 @pytest.fixture

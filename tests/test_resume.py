@@ -1,5 +1,6 @@
-"""Resuming a killed run through the real CLI: only the missing units run, and the store ends identical to an
-uninterrupted run's; a store written by another run is never resumed into."""
+"""Resuming a killed run (a real ``interp-run`` process, killed) through the CLI's ``main`` in this process
+(``support.inprocess``): only the missing units run, and the store ends identical to an uninterrupted run's; a store
+written by another run is never resumed into."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import zarr
 
 from conftest import REPO
 from interp_runner.store_claim import StoreTarget
-from test_cli import interp_run
+from support.inprocess import interp_run
 
 pytestmark = pytest.mark.engine
 

@@ -63,8 +63,11 @@ OTHER = "The Louvre museum is located in the city of"
 
 
 @pytest.mark.engine
-def test_a_patching_store_holds_recovered_and_the_flags_worked_out_from_its_scores(tiny_engine, tmp_path):
+def test_a_patching_store_holds_recovered_and_the_flags_worked_out_from_its_scores(runner_engine, tmp_path):
+    """Under each model runner; the store records the runner that ran."""
     from interp_runner.pipeline import run
+
+    tiny_engine = runner_engine
 
     patch = {"source": {"prompt": 0}, "hook": "post_block", "layers": [1], "positions": "all"}
     patching = [{**patch, "prompts": [1, 2], "alpha": 0.0}, {**patch, "prompts": [1, 2], "alpha": 0.5},
@@ -76,6 +79,7 @@ def test_a_patching_store_holds_recovered_and_the_flags_worked_out_from_its_scor
                          store={"path": str(store)})
     run(config, tmp_path, engine_factory=lambda *_: Borrowed(tiny_engine), log=lambda _: None)
     ds = xr.open_zarr(str(store), consolidated=False)
+    assert ds.attrs["engine"]["model_runner"] == tiny_engine.model_runner
     rids = [str(r) for r in ds["request"].values]
     prob = np.exp(ds["answer_logprob"].values.astype(np.float64))
     solo = {int(r[1:6]): i for i, r in enumerate(rids) if len(r) == 6}  # r00001: prompt 1's stage-0 run

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-import hf_oracle
+from support import hf_oracle
 from conftest import REPO, Borrowed, run_plan
 from interp_runner.config import ConfigError
+from interp_runner.contracts import DECODE, PREFILL
 from interp_runner.engine import RequestResult
 from interp_runner.kinds.steering_vectors import KIND
-from interp_runner.payload import DECODE, PREFILL
 from interp_runner.pipeline import prepare
 from interp_runner.sites import site_id
 from interp_runner.vector_methods import DegenerateDirection, derive, mean_diff, pair_projections, pca
@@ -137,19 +137,20 @@ def test_stage_0_reads_every_pair_at_its_last_token_and_stage_1_is_the_grid(cach
     assert [r.prompt.text for r in stage0] == [p[side] for p in pairs for side in ("positive", "negative")]
     sites = [site_id(layer, hook) for hook in ("post_block", "mlp_out") for layer in (0, 2, 3)]
     for r in stage0:
-        (got_sites, positions, generated), = r.payload["capture"]
-        assert got_sites == sites and not generated
-        assert np.frombuffer(positions, np.int32).tolist() == [len(r.prompt.token_ids) - 1]
-        assert r.sampling["max_tokens"] == 1 and "steer" not in r.payload
+        (capture,) = r.payload.capture
+        assert list(capture.sites) == sites and not capture.generated
+        assert np.frombuffer(capture.positions, np.int32).tolist() == [len(r.prompt.token_ids) - 1]
+        assert r.sampling["max_tokens"] == 1 and not r.payload.steer
     stage1 = [r for r in plan.requests if r.stage == 1]
     assert len(stage1) == 12 * (1 + 2 * 2)  # prompts x (unsteered + layers x scales)
     keys = {}
     for r in stage1:
         assert r.sampling["max_tokens"] == 1 and len(r.prompt.answer_ids) == 2
         if r.role == "baseline":
-            assert "steer" not in r.payload
+            assert not r.payload.steer
             continue
-        (site, phases, key, scale), = r.payload["steer"]
+        (term,) = r.payload.steer
+        site, phases, key, scale = term.site, term.phases, term.vector, term.scale
         layer, scale_index = r.meta["layer"], r.meta["scale"]
         assert site == site_id(layer, "post_block") and scale == [-1.0, 1.0][scale_index]
         assert phases == PREFILL | DECODE

@@ -1,7 +1,8 @@
 """Stores are safe: a run destroys nothing it did not create, locks its store path, and never runs code it reads.
 
-Through the real CLI where a config is refused (exit 2, the key named, no traceback, no engine started, what was
-there intact byte for byte); in process, with a fake engine, for the journal of an unfinished run. Planted payloads
+Through the CLI's ``main`` (in this process, ``support.inprocess``; as a process of its own where another process
+must hold the lock) where a config is refused (exit 2, the key named, no traceback, no engine started, what was
+there intact byte for byte); with a fake engine, for the journal of an unfinished run. Planted payloads
 (pickles, object arrays, YAML python tags) would create a marker file if anything ran them.
 """
 
@@ -31,6 +32,7 @@ from interp_runner.journal import INDEX, Journal
 from interp_runner.pipeline import prepare, run
 from interp_runner.store_claim import StoreTarget
 from interp_runner.store_lock import StoreLock
+from support.inprocess import interp_run as in_process
 from test_cli import interp_run
 from test_store import fake_results, store_config
 
@@ -48,8 +50,10 @@ class Planted:
         return open, (self.marker, "w")
 
 
-def smoke(tmp_path: Path, *args: str):
-    return interp_run(*SMOKE, *args, f"hydra.run.dir={tmp_path / 'hydra'}")
+def smoke(tmp_path: Path, *args: str, process: bool = False):
+    """``interp-run`` on the smoke experiment, through ``main`` in this process unless ``process``."""
+    run = interp_run if process else in_process
+    return run(*SMOKE, *args, f"hydra.run.dir={tmp_path / 'hydra'}")
 
 
 def assert_refused(proc, key: str, *phrases: str) -> None:
@@ -226,12 +230,13 @@ def test_resume_needs_an_unfinished_run(tmp_path, area, what):
 # ------------------------------------------------------------------ locks
 
 
+@pytest.mark.cli
 def test_a_store_path_locked_by_another_process_is_refused_naming_the_holder(tmp_path, area):
     target = area / "results.zarr"
     lock = StoreLock(StoreTarget.at(target).lock_file)
     lock.acquire()
     try:
-        proc = smoke(tmp_path, f"store.path={target}")
+        proc = smoke(tmp_path, f"store.path={target}", process=True)
     finally:
         lock.release()
     assert_refused(proc, "store.path", "in use by another run", f"pid {os.getpid()}",

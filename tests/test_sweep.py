@@ -1,5 +1,7 @@
-"""Hydra multirun through the real CLI: engine reuse across jobs, the sweep index, the sweep as one dataset,
-and the shipped launcher configs."""
+"""Hydra multirun: engine reuse across jobs, the sweep index, the sweep as one dataset, and the shipped launcher
+configs. Sweeps of Hydra's basic launcher (jobs in the ``interp-run`` process) run through the CLI's ``main`` in this
+process, on an engine pool of their own as in a process of their own (``support.inprocess``); a launcher's sweep runs
+as a real process."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from conftest import REPO
 from interp_runner.engine import EnginePool
 from interp_runner.payload import EngineSpec
 from interp_runner.sweep import record_job, swept_parameters
+from support import inprocess
 from test_cli import interp_run
 
 TINY = ("+experiment=steering_smoke", "model=tiny_random", "engine=eager")
@@ -26,7 +29,8 @@ def attrs_of(store) -> dict:
 @pytest.mark.engine
 def test_multirun_reuses_the_engine_until_its_settings_change(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = interp_run("-m", *TINY, "engine.max_num_seqs=8,16", "sampling.max_tokens=3,5", f"hydra.sweep.dir={sweep}")
+    proc = inprocess.interp_run("-m", *TINY, "engine.max_num_seqs=8,16", "sampling.max_tokens=3,5",
+                                f"hydra.sweep.dir={sweep}", engines=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = json.loads((sweep / "sweep.json").read_text())["jobs"]
     assert [j["num"] for j in jobs] == [0, 1, 2, 3] and {j["status"] for j in jobs} == {"complete"}
@@ -61,11 +65,12 @@ def test_a_causal_trace_sweep_on_one_engine_gives_what_fresh_engines_give(tmp_pa
              "causal_trace.noise.samples=1", "causal_trace.window=2", "causal_trace.filter=false",
              "causal_trace.plots=false")
     sweep = tmp_path / "sweep"
-    proc = interp_run("-m", *trace, "causal_trace.noise.k=1,2", f"hydra.sweep.dir={sweep}")
+    proc = inprocess.interp_run("-m", *trace, "causal_trace.noise.k=1,2", f"hydra.sweep.dir={sweep}", engines=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("engine reused") == 1
     alone = tmp_path / "alone.zarr"
-    solo = interp_run(*trace, "causal_trace.noise.k=2", f"store.path={alone}", f"hydra.run.dir={tmp_path / 'solo'}")
+    solo = inprocess.interp_run(*trace, "causal_trace.noise.k=2", f"store.path={alone}",
+                                f"hydra.run.dir={tmp_path / 'solo'}", engines=None)
     assert solo.returncode == 0, solo.stderr[-3000:]
     reused, fresh = (zarr.open_group(str(p), mode="r") for p in (sweep / "1" / "results.zarr", alone))
     assert reused.attrs["engine"]["reused"] is True
@@ -74,6 +79,7 @@ def test_a_causal_trace_sweep_on_one_engine_gives_what_fresh_engines_give(tmp_pa
 
 
 @pytest.mark.engine
+@pytest.mark.cli
 def test_the_submitit_launcher_config_runs_a_sweep_locally(tmp_path):
     sweep = tmp_path / "sweep"
     proc = interp_run("-m", "hydra/launcher=local", *TINY, "sampling.max_tokens=2,3", f"hydra.sweep.dir={sweep}")

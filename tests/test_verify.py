@@ -2,8 +2,10 @@
 reruns on another CPU kernel path (teacher-forced, within tolerance, yet failing on a real change), and the
 tolerance rules on small hand-made stores.
 
-Four engine starts in all: the store (``interp-run`` on tiny_random), its rerun (``interp-verify --rerun``), and two
-reruns with oneDNN's GEMMs capped to SSE4.1 (``ONEDNN_MAX_CPU_ISA``): other kernels, other float32 sums.
+Three engine starts in all, at most: the store (``interp-run`` on tiny_random, on the session's shared engine) and
+its rerun (``interp-verify --rerun``), both through their ``main`` in this process (``support.inprocess``), and a
+rerun in a process of its own with oneDNN's GEMMs capped to SSE4.1 (``ONEDNN_MAX_CPU_ISA``, read once per process):
+other kernels, other float32 sums.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from conftest import REPO
 from interp_runner import verify
 from interp_runner.kernel_path import CPU_KERNEL_KEYS
 from interp_runner.verify import EXIT_ERROR, EXIT_MATCH, EXIT_MISMATCH, main
+from support.inprocess import Completed, interp_run, interp_verify
 
 PERTURBED = (1, 1, 2, 0, 17)  # request, last_hook, last_layer, last_slot, hidden
 OTHER_KERNELS = {"ONEDNN_MAX_CPU_ISA": "SSE41"}  # this CPU computing as one without AVX2 would (GEMMs)
@@ -50,16 +53,14 @@ def run_verify(capsys, *args) -> tuple[int, str, str]:
 def store(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("verify")
     path = tmp / "smoke.zarr"
-    proc = subprocess.run(
-        [str(REPO / ".venv" / "bin" / "interp-run"), "+experiment=steering_smoke", "model=tiny_random",
-         "engine=eager", f"store.path={path}", f"hydra.run.dir={tmp / 'run'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
+    proc = interp_run("+experiment=steering_smoke", "model=tiny_random", "engine=eager", f"store.path={path}",
+                      f"hydra.run.dir={tmp / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return path
 
 
 def verify_rerun(store: Path, out: Path, **env) -> subprocess.CompletedProcess:
+    """In a process of its own: ``env`` must be there before the process's first GEMM."""
     return subprocess.run(
         [sys.executable, "-m", "interp_runner.verify", str(store), "--rerun", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **env},
@@ -67,9 +68,9 @@ def verify_rerun(store: Path, out: Path, **env) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def rerun(store, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+def rerun(store, tmp_path_factory) -> tuple[Completed, Path]:
     out = tmp_path_factory.mktemp("rerun")
-    return verify_rerun(store, out), out / "results.zarr"
+    return interp_verify(store, "--rerun", "--out", out), out / "results.zarr"
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +271,7 @@ def test_teacher_forcing_takes_the_tokens_of_a_store_of_the_same_requests():
     assert plan.engine_spec.force_tokens
     tokens = xr.open_zarr(str(golden), consolidated=False)["tokens"].values
     for i, request in enumerate(plan.requests):
-        assert unpack_positions(request.payload["force"]).tolist() == [t for t in tokens[i] if t >= 0]
+        assert unpack_positions(request.payload.force).tolist() == [t for t in tokens[i] if t >= 0]
     config["prompts"]["items"][2]["text"] = "Once upon a midnight dreary"
     with pytest.raises(ConfigError, match="request r00002 of .* had another prompt"):
         prepare(config)

@@ -24,6 +24,7 @@ import zarr
 
 from conftest import REPO
 from interp_runner.verify import EXIT_ERROR, EXIT_MATCH, EXIT_MISMATCH, main
+from support.inprocess import interp_report, interp_verify
 
 GPU = ["NVIDIA H100 80GB HBM3"]
 CPU = {"model": "Some CPU", "vendor": "GenuineIntel", "arch": "x86_64", "isa": ["avx2", "fma"], "aten": "AVX2",
@@ -229,15 +230,15 @@ def test_an_unknown_codec_is_one_clean_error_of_both_tools(tmp_path, arrays):
     # the first unloadable array, by name
     first = min(arrays or (m.parent.name for m in store.glob("*/zarr.json")))
     expected = f"{store}: array {first!r} cannot be read (UnknownCodecError: Unknown codec: 'numcodecs.pickle')"
+    # each tool's main in this process (``support.inprocess``): its exit status and what it prints
     calls = {
-        "interp-verify": ["-m", "interp_runner.verify", store, "--against", GOLDEN / "steering_vectors.zarr"],
-        "interp-verify (as the reference)": ["-m", "interp_runner.verify", GOLDEN / "steering_vectors.zarr",
-                                             "--against", store],
-        "interp-verify --rerun": ["-m", "interp_runner.verify", store, "--rerun", "--out", tmp_path / "out"],
-        "interp-report": ["-c", "import sys; from interp_runner.report.cli import main; sys.exit(main())", store],
+        "interp-verify": (interp_verify, store, "--against", GOLDEN / "steering_vectors.zarr"),
+        "interp-verify (as the reference)": (interp_verify, GOLDEN / "steering_vectors.zarr", "--against", store),
+        "interp-verify --rerun": (interp_verify, store, "--rerun", "--out", tmp_path / "out"),
+        "interp-report": (interp_report, store),
     }
-    for what, args in calls.items():
-        proc = run_tool(*args)
+    for what, (tool_main, *args) in calls.items():
+        proc = tool_main(*args)
         tool = "interp-report" if what == "interp-report" else "interp-verify"
         assert proc.returncode == EXIT_ERROR, (what, proc.stderr[-2000:])
         assert proc.stderr.splitlines() == [f"{tool}: error: {expected}"], (what, proc.stderr[-2000:])

@@ -288,6 +288,9 @@ class EngineConfig(Strict):
     # distinct entry layers mean less host work per step (attention metadata, kept streams) for a few more layers
     # computed
     cell_entry_stride: int = Field(4, ge=1)
+    # vLLM's model runner: auto (the one vLLM picks: V2 for dense models where Triton runs, else V1), v1 or v2
+    # (docs/model_runners.md); the store records the one that ran (engine.model_runner)
+    model_runner: Literal["auto", "v1", "v2"] = "auto"
 
     def eager(self, gpu: bool, decodes: bool = True) -> bool:
         """``enforce_eager``, or where the config leaves it open: eager on a CPU, and on a GPU for a plan whose

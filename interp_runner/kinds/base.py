@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
     import xarray as xr
     from pydantic import BaseModel
 
@@ -24,13 +25,34 @@ class Table:
 
 
 @dataclass(frozen=True)
+class Heatmap:
+    """A grid the report draws as an interactive heatmap: hovering a cell shows its row, column and value."""
+
+    title: str
+    values: np.ndarray  # (rows, columns) floats; NaN where there is no value
+    rows: tuple[str, ...]  # row labels, e.g. token texts
+    columns: tuple[str, ...]  # column labels, e.g. layer numbers
+    row_name: str = "token"
+    column_name: str = "layer"
+    value_name: str = "value"
+    colormap: str = "viridis"  # a matplotlib colormap
+    vmin: float | None = None  # the colour scale's ends; default: the finite values' range
+    vmax: float | None = None
+    baseline: tuple[str, float] | None = None  # (name, b): a hovered cell also shows value - b under that name
+    figure: Path | None = None  # the run's static figure of the same grid, if it drew one
+
+
+@dataclass(frozen=True)
 class Section:
-    """A part of a run's report: paragraphs, tables and some of the run's figures (shown inline)."""
+    """A part of a run's report: paragraphs, tables, interactive heatmaps and some of the run's figures (shown
+    inline); a folded section shows only its title until opened (one of many alike, e.g. a trace's facts)."""
 
     title: str
     text: str = ""
     tables: tuple[Table, ...] = ()
     figures: tuple[Path, ...] = ()
+    heatmaps: tuple[Heatmap, ...] = ()
+    folded: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +134,12 @@ class Kind(Protocol):
 
     def report_sections(self, ds: xr.Dataset, figures: list[Path]) -> list[Section]:
         """The kind's own sections of the run's report."""
+
+    # the report's settings table: its title and the root attributes it shows after the kind's config section
+    report_settings: tuple[str, tuple[str, ...]]
+
+    def counts(self, ds: xr.Dataset) -> list[tuple[str, int]]:
+        """What the run covered, for the report's header: (what, how many), e.g. ("prompts", 12)."""
 
     def headline(self, ds: xr.Dataset) -> Headline | None:
         """The number a sweep compares across its jobs, or None."""

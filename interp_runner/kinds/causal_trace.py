@@ -3,31 +3,34 @@
 The plan is ``trace_plan``'s (clean, corrupted and restored runs of every fact), the store's arrays
 ``trace_grids``' and the heatmaps ``trace_figures``'. Store (``dataset``): per fact ``clean_prob``,
 ``corrupt_prob``, ``total_effect``; the grids ``restored_prob``, ``indirect_effect`` (restored - corrupt),
-``recovered``, ``restored_logit_diff`` with dims (fact, kind, layer, token); the per-sample scores, subject spans,
-token texts, the noise itself, filtered facts and ``avg_indirect_effect`` (kind, layer, role) over ROME's token
-roles; the grids' tokens and ``prompt`` / ``prompt_tokens`` / ``token_text`` are the clean prompt's, and a
+``recovered``, ``restored_logit_diff`` with dims (fact, component, layer, token); the per-sample scores, subject
+spans, token texts, the noise itself, filtered facts and ``avg_indirect_effect`` (component, layer, role) over
+ROME's token roles; the grids' tokens and ``prompt`` / ``prompt_tokens`` / ``token_text`` are the clean prompt's, and a
 counterfactual trace adds its ``corrupt_prompt`` / ``corrupt_prompt_tokens`` / ``corrupt_token_text`` (``trace_grids``).
-Figures: a heatmap per fact and kind and the averaged-effect plot (``plots: true``).
+Figures: a heatmap per fact and component and the averaged-effect plot (``plots: true``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import xarray as xr
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
+from ..components import COMPONENTS
 from ..config.schema import LayerSelector, PositiveFloat32, ResidualHook, Seed, Strict, distinct
 from ..models.facts import ModelFacts
 from ..plan import Plan
 from ..result_arrays import value_kind
 from .base import Headline, Propagated, Ratio, Section, Table, ThresholdFlag
-from .trace_figures import AVERAGE_FIGURE, figure_count, heatmap_name, write_figures
+from .trace_figures import figure_count, write_figures
 from .trace_grids import trace_dataset
 from .trace_plan import compile_trace
+from .trace_report import average_heatmaps, fact_heatmaps
 
 
 class Noise(Strict):
@@ -43,13 +46,21 @@ class CausalTrace(Strict):
     num_facts: int | None = Field(None, ge=1)  # the first N facts
     corruption: Literal["noise", "counterfactual"] = "noise"
     noise: Noise = Noise()
-    kinds: Annotated[list[Literal["resid", "mlp", "attn"]], Field(min_length=1), AfterValidator(distinct)] = [
-        "resid", "mlp", "attn"]
+    # what each cell restores (``interp_runner.components``)
+    components: Annotated[list[Literal[tuple(COMPONENTS)]], Field(min_length=1), AfterValidator(distinct)] = list(
+        COMPONENTS)
+    kinds: SkipJsonSchema[None] = Field(None, exclude=True)  # renamed ``components``: refused with a pointer there
     resid_hook: ResidualHook = "post_block"
     window: int = Field(10, ge=1)
     layers: LayerSelector = "all"  # restored layers (window centres for mlp/attn)
     filter: bool = True  # drop facts whose clean prediction is not the answer (ROME), listing them
     plots: bool = True
+
+    @field_validator("kinds", mode="before")
+    @classmethod
+    def _renamed(cls, value: Any) -> None:
+        raise ValueError(f"renamed: give causal_trace.components (e.g. {list(COMPONENTS)}); 'kind' is the "
+                         "experiment's kind")
 
 
 VALUE_KINDS = {
@@ -82,7 +93,7 @@ class CausalTraceKind:
         return trace_dataset(plan, results, tokenizer)
 
     def figure_count(self, cfg, plan: Plan) -> int:
-        return figure_count(len(plan.layout.facts), len(cfg.causal_trace.kinds)) if cfg.causal_trace.plots else 0
+        return figure_count(len(plan.layout.facts), len(cfg.causal_trace.components)) if cfg.causal_trace.plots else 0
 
     def figures(self, ds: xr.Dataset, cfg, out_dir: Path, workers=None) -> list[Path]:
         return write_figures(ds, out_dir, workers) if cfg.causal_trace.plots else []
@@ -110,11 +121,11 @@ class CausalTraceKind:
 
     def report_sections(self, ds: xr.Dataset, figures: list[Path]) -> list[Section]:
         by_name = {Path(p).name: Path(p) for p in figures}
-        kinds = [str(k) for k in ds["kind"].values]
+        components = [str(k) for k in ds["component"].values]
         counterfactual = "corrupt_prompt" in ds
         columns = ("fact", *(("clean prompt", "corrupt prompt") if counterfactual else ("prompt",)), "answer",
                    "p clean", "p corrupt", "filtered") \
-            + tuple(f"peak {k}" for k in kinds) + tuple(f"peak {k} at the subject" for k in kinds)
+            + tuple(f"peak {k}" for k in components) + tuple(f"peak {k} at the subject" for k in components)
         rows, per_fact = [], []
         for f in range(ds.sizes["fact"]):
             fact_id = str(ds["fact_id"].values[f])
@@ -123,31 +134,40 @@ class CausalTraceKind:
             prompts = [str(ds["prompt"].values[f])] + ([str(ds["corrupt_prompt"].values[f])] if counterfactual else [])
             rows.append((fact_id, *prompts, str(ds["answer"].values[f]),
                          float(ds["clean_prob"][f]), float(ds["corrupt_prob"][f]), filtered)
-                        + tuple(peaks[k][0] if peaks else "" for k in kinds)
-                        + tuple(peaks[k][1] if peaks else "" for k in kinds))
+                        + tuple(peaks[k][0] if peaks else "" for k in components)
+                        + tuple(peaks[k][1] if peaks else "" for k in components))
             if filtered:
                 continue
-            table = Table("peak indirect effects", ("kind", "largest", "at the subject tokens"),
-                          tuple((k, *peaks[k]) for k in kinds))
-            heatmaps = tuple(by_name[n] for n in (heatmap_name(fact_id, k) for k in kinds) if n in by_name)
-            per_fact.append(Section(f"Fact {fact_id}", _prompts(ds, f), (table,), heatmaps))
+            table = Table("peak indirect effects", ("component", "largest", "at the subject tokens"),
+                          tuple((k, *peaks[k]) for k in components))
+            per_fact.append(Section(f"Fact {fact_id}", _prompts(ds, f), (table,),
+                                    heatmaps=fact_heatmaps(ds, f, by_name), folded=True))
         text = (f"Noise std {ds.attrs['noise_std']:.4f} ({ds.attrs['noise_samples']} sample(s), corruption "
                 f"{ds.attrs['corruption']}), noise floor {ds.attrs['noise_floor']:.2e}; filtered facts: "
                 f"{', '.join(ds.attrs['filtered_facts']) or 'none'}.")
         if counterfactual:
             text += (" Grids and peaks are by the clean prompt's tokens: restoring a clean token's states at its "
                      "aligned position in the corrupt prompt.")
-        average = (by_name[AVERAGE_FIGURE],) if AVERAGE_FIGURE in by_name else ()
-        return [Section("Causal trace", text, (Table("facts", columns, tuple(rows)),), average), *per_fact]
+        return [Section("Causal trace", text, (Table("facts", columns, tuple(rows)),),
+                        heatmaps=average_heatmaps(ds, by_name)), *per_fact]
 
     def headline(self, ds: xr.Dataset) -> Headline | None:
-        if "resid" not in [str(k) for k in ds["kind"].values]:
+        if "resid" not in [str(k) for k in ds["component"].values]:
             return None
-        effect = ds["avg_indirect_effect"].sel(kind="resid", role=HEADLINE_ROLE).values.astype(np.float64)
+        effect = ds["avg_indirect_effect"].sel(component="resid", role=HEADLINE_ROLE).values.astype(np.float64)
         if not np.isfinite(effect).any():
             return None
         return Headline(f"mean indirect effect of restoring resid at the {HEADLINE_ROLE} token (over facts and "
                         "layers)", float(np.nanmean(effect)))
+
+    report_settings = ("Trace settings", ("corruption", "window", "noise_samples", "noise_std", "noise_floor",
+                                          "filtered_facts", "skipped_positions", "voided", "nonfinite"))
+
+    def counts(self, ds: xr.Dataset) -> list[tuple[str, int]]:
+        # a cell: one (component, layer, token) of one fact's clean prompt, restored in each noise sample
+        cells = ds.sizes["component"] * ds.sizes["layer"] * int(ds["num_tokens"].values.sum())
+        counts = [("facts", ds.sizes["fact"]), ("cells", cells), ("noise samples", int(ds.attrs["noise_samples"]))]
+        return counts + ([("filtered facts", int(ds["filtered"].values.sum()))] if ds["filtered"].values.any() else [])
 
 
 def _prompts(ds: xr.Dataset, f: int) -> str:
@@ -160,21 +180,22 @@ def _prompts(ds: xr.Dataset, f: int) -> str:
             f"{answer!r}: p {p_corrupt:.3f}")
 
 
-def _peak(ds: xr.Dataset, f: int, kind: str, grid: np.ndarray, first_token: int) -> str:
+def _peak(ds: xr.Dataset, f: int, component: str, grid: np.ndarray, first_token: int) -> str:
     if not np.isfinite(grid).any():
-        return f"{kind} -"
+        return f"{component} -"
     layer, token = np.unravel_index(np.nanargmax(grid), grid.shape)
     text = str(ds["token_text"].values[f, first_token + token])
-    return f"{kind} {grid[layer, token]:+.3f} @ L{int(ds['layer'][layer])} {text!r}"
+    return f"{component} {grid[layer, token]:+.3f} @ L{int(ds['layer'][layer])} {text!r}"
 
 
 def _peaks(ds: xr.Dataset, f: int) -> dict[str, tuple[str, str]]:
-    """Per kind: the largest indirect effect of fact ``f`` anywhere, and at its subject tokens."""
+    """Per component: the largest indirect effect of fact ``f`` anywhere, and at its subject tokens."""
     start, end = int(ds["subject_start"][f]), int(ds["subject_end"][f])
     out = {}
-    for kind in ds["kind"].values:
-        grid = ds["indirect_effect"].sel(kind=kind).isel(fact=f).values
-        out[str(kind)] = (_peak(ds, f, kind, grid, 0), _peak(ds, f, kind, grid[:, start:end], start))
+    for component in ds["component"].values:
+        grid = ds["indirect_effect"].sel(component=component).isel(fact=f).values
+        out[str(component)] = (_peak(ds, f, component, grid, 0),
+                               _peak(ds, f, component, grid[:, start:end], start))
     return out
 
 

@@ -1,7 +1,7 @@
 """The prompts kind, the default: steering, capture, activation patching and answer scoring over a prompt list
 (``prompts``, ``vectors``, ``steering``, ``capture``, ``patching``, ``scoring``: keys of every run config).
 
-Each request carries its interventions in ``SamplingParams.extra_args`` (``interp_runner.payload``); vectors and
+Each request carries its interventions in ``SamplingParams.extra_args`` (``interp_runner.contracts``); vectors and
 patch sources are returned separately, keyed by content hash, to be registered on the workers. Stage 0 holds every
 prompt as written (steered, captured, scored); stage 1 the patched copies of destination prompts, plus an unpatched
 copy of each destination in the same batch (the noise floor).
@@ -208,6 +208,14 @@ class PromptsKind:
         if not len(prompts):
             return None
         return Headline("mean logit difference (answer - foil) over the prompts", float(prompts.mean()))
+
+    report_settings = ("Patching results", ("noise_floor", "skipped_positions", "voided"))
+
+    def counts(self, ds: xr.Dataset) -> list[tuple[str, int]]:
+        counts = [("prompts", len(np.unique(ds["prompt_index"].values)))]
+        if "patch" in ds.coords and (ds["patch"].values >= 0).any():
+            counts.append(("patched copies", int((ds["patch"].values >= 0).sum())))
+        return counts
 
 
 def _captured(ds: xr.Dataset) -> list[str]:

@@ -34,7 +34,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from ..config.errors import ConfigError
 from ..config.schema import Float32, Hook, LayerSelector, Strict, distinct, resolve_path
 from ..inputs import read_rows
-from ..payload import DECODE, PREFILL, digest, pack_positions
+from ..contracts import DECODE, PREFILL, Capture, Steer
+from ..payload import digest, pack_positions
 from ..plan import Plan
 from ..prompt_set import answer_token, check_length, check_vocabulary
 from ..request_build import Prompt, engine_spec_of, make_request, mark_private_kv, requests_hash
@@ -246,14 +247,14 @@ def compile_vectors(cfg, facts, tokenizer, base: Path | None) -> Plan:
     keys = {layer: "derived:" + digest([sv.eval.method, site_id(layer, hook), pair_tokens]) for layer in eval_layers}
     s = cfg.sampling
     sites = [site_id(layer, h) for h in sv.hooks for layer in layers]
-    requests = [make_request(p.id, p, s, capture=[[sites, pack_positions([len(p.token_ids) - 1]), False]],
+    requests = [make_request(p.id, p, s, capture=[Capture(tuple(sites), pack_positions([len(p.token_ids) - 1]), False)],
                              max_tokens=1, meta={"pair": p.index // 2, "side": p.index % 2}) for p in texts]
     for p in heldout:
         requests.append(make_request(eval_rid(p.index), p, s, stage=1, role="baseline", max_tokens=1,
                                      meta={"heldout": p.index}))
         for layer in eval_layers:
             for k, scale in enumerate(sv.eval.scales):
-                steer = [[site_id(layer, hook), STEER_PHASES, keys[layer], float(scale)]]
+                steer = [Steer(site_id(layer, hook), STEER_PHASES, keys[layer], float(scale))]
                 requests.append(make_request(eval_rid(p.index, layer, k), p, s, steer, stage=1, role="steered",
                                              max_tokens=1, meta={"heldout": p.index, "layer": layer, "scale": k}))
     mark_private_kv(requests)
@@ -477,6 +478,13 @@ class SteeringVectorsKind:
             return None
         return Headline(f"best mean logit-diff change per unit scale ({ds.attrs['eval_method']}, layer {layer})",
                         slope)
+
+    report_settings = ("Steering-vector settings", ("pair_form", "eval_method", "eval_hook", "metric",
+                                                    "degenerate_below", "weak_agreement_below"))
+
+    def counts(self, ds: xr.Dataset) -> list[tuple[str, int]]:
+        return [("pairs", ds.sizes["pair"]), ("held-out prompts", ds.sizes["prompt"]),
+                ("steered layers", ds.sizes["layer"]), ("scales", ds.sizes["scale"])]
 
 
 KIND = SteeringVectorsKind()

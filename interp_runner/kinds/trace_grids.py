@@ -36,7 +36,7 @@ def _roles(fact: TraceFact, num_tokens: int) -> dict[str, list[int]]:
 def trace_dataset(plan: Plan, results: dict, tokenizer=None) -> xr.Dataset:
     """The effect grids of a finished trace as an xarray Dataset (``interp_runner.kinds.causal_trace``)."""
     layout: TraceLayout = plan.layout
-    F, K, L = len(layout.facts), len(layout.kinds), len(layout.layers)
+    F, K, L = len(layout.facts), len(layout.components), len(layout.layers)
     T = max(len(f.clean.token_ids) for f in layout.facts)
     clean_of = {f.index: f.restored for f in layout.facts}  # corrupt position -> clean position
     S = layout.samples
@@ -47,7 +47,7 @@ def trace_dataset(plan: Plan, results: dict, tokenizer=None) -> xr.Dataset:
     batch_lp = np.full((F, S), np.nan)
     clean_top = np.full(F, -1, dtype=np.int64)
     voided, nonfinite = [], []
-    kind_index = {k: i for i, k in enumerate(layout.kinds)}
+    component_index = {k: i for i, k in enumerate(layout.components)}
     layer_index = {lay: i for i, lay in enumerate(layout.layers)}
     for request in plan.requests:
         result = results.get(request.rid)
@@ -71,7 +71,7 @@ def trace_dataset(plan: Plan, results: dict, tokenizer=None) -> xr.Dataset:
             else:
                 corrupt_lp[f, m["sample"]], corrupt_foil[f, m["sample"]] = answer, foil
         else:
-            at = (f, kind_index[m["kind"]], layer_index[m["layer"]], clean_of[f][m["token"]], m["sample"])
+            at = (f, component_index[m["component"]], layer_index[m["layer"]], clean_of[f][m["token"]], m["sample"])
             grid_lp[at], grid_foil[at] = answer, foil
 
     answers = np.array([f.clean.answer_ids[0] for f in layout.facts])
@@ -109,7 +109,7 @@ def trace_dataset(plan: Plan, results: dict, tokenizer=None) -> xr.Dataset:
         noise[f, :, : values.shape[1]] = values
 
     strings = np.dtypes.StringDType()
-    grid = ("fact", "kind", "layer", "token")
+    grid = ("fact", "component", "layer", "token")
     ds = xr.Dataset(
         {
             "restored_prob": (grid, restored_prob.astype(np.float32)),
@@ -137,11 +137,11 @@ def trace_dataset(plan: Plan, results: dict, tokenizer=None) -> xr.Dataset:
             "prompt": ("fact", np.array([f.clean.text for f in layout.facts], dtype=strings)),
             "answer": ("fact", np.array([f.answer for f in layout.facts], dtype=strings)),
             "noise": (("fact", "sample", "subject_token", "hidden"), noise),
-            "avg_indirect_effect": (("kind", "layer", "role"), avg.astype(np.float32)),
+            "avg_indirect_effect": (("component", "layer", "role"), avg.astype(np.float32)),
         },
         coords={
             "fact_id": ("fact", np.array([f.id for f in layout.facts], dtype=strings)),
-            "kind": np.array(layout.kinds, dtype=strings),
+            "component": np.array(layout.components, dtype=strings),
             "layer": np.array(layout.layers, dtype=np.int32),
             "role": np.array(ROLES, dtype=strings),
         },
@@ -160,7 +160,7 @@ def trace_dataset(plan: Plan, results: dict, tokenizer=None) -> xr.Dataset:
 
 
 def grid_names(ds: xr.Dataset) -> list[str]:
-    return [str(n) for n, v in ds.data_vars.items() if v.dims[:4] == ("fact", "kind", "layer", "token")]
+    return [str(n) for n, v in ds.data_vars.items() if v.dims[:4] == ("fact", "component", "layer", "token")]
 
 
 def _padded(rows, width: int) -> np.ndarray:

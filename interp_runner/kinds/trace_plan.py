@@ -2,9 +2,10 @@
 
 Per fact: a clean run (stage 0) keeps every state a restore needs on the workers and scores the answer; corrupted runs
 (Gaussian noise on the subject's token embeddings, or a counterfactual prompt) give the corrupt score. Stage 1
-holds every cell of the grid, each a corrupted run with clean states restored at one (kind, layer, token):
-``resid`` restores the residual stream (``resid_hook``) of one layer, ``mlp`` / ``attn`` the MLP / attention
-outputs of a window of layers ``range(max(0, L - w/2), min(n_layers, L + w/2))``, as in ROME. Stage 1 also reruns
+holds every cell of the grid, each a corrupted run with clean states restored at one (component, layer,
+token): ``resid`` restores the residual stream (``resid_hook``) of one layer, ``mlp`` / ``attn`` the MLP /
+attention outputs of a window of layers ``range(max(0, L - w/2), min(n_layers, L + w/2))``, as in ROME
+(``interp_runner.components``). Stage 1 also reruns
 the corrupted baselines inside the batch: their distance to the stage-0 scores is the noise floor. Facts whose
 clean prediction is not the answer are filtered out (their cells never run) and listed.
 """
@@ -17,11 +18,13 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..components import COMPONENTS, WINDOWED
 from ..config.errors import ConfigError
 from ..config.schema import RunBase, resolve_path
 from ..inputs import read_rows
 from ..models.facts import ModelFacts
 from ..patching import align, keep_groups, run_digest, span_positions
+from ..contracts import Keep, ReuseKv, StartLayer
 from ..payload import kv_key, ref_key, vector_key
 from ..plan import Plan, bank_rows_for
 from ..prompt_set import answer_token, check_length, check_vocabulary, require_plain_prompts
@@ -30,9 +33,6 @@ from ..request_build import (
 )
 from ..selectors import parse_layers
 from ..sites import site_id, site_of
-
-KIND_HOOK = {"mlp": "mlp_out", "attn": "attn_out"}
-
 
 class FactRow(BaseModel):
     """A line of a causal-trace facts file; other keys (``relation``, ...) are metadata."""
@@ -75,7 +75,7 @@ class TraceFact:
 @dataclass(frozen=True)
 class TraceLayout:
     facts: tuple[TraceFact, ...]
-    kinds: tuple[str, ...]
+    components: tuple[str, ...]
     layers: tuple[int, ...]
     num_layers: int
     window: int
@@ -89,10 +89,11 @@ class TraceLayout:
         half = self.window // 2
         return list(range(max(0, layer - half), min(self.num_layers, layer + self.window - half)))
 
-    def restore_sites(self, kind: str, layer: int, resid_hook: str) -> list[int]:
-        if kind == "resid":
+    def restore_sites(self, component: str, layer: int, resid_hook: str) -> list[int]:
+        hook = COMPONENTS[component].hook
+        if hook is None:
             return [site_id(layer, resid_hook)]
-        return [site_id(lay, KIND_HOOK[kind]) for lay in self.window_layers(layer)]
+        return [site_id(lay, hook) for lay in self.window_layers(layer)]
 
 
 def clean_rid(f: int) -> str:
@@ -103,8 +104,8 @@ def corrupt_rid(f: int, s: int, in_batch: bool = False) -> str:
     return f"f{f:03d}-corrupt-s{s}" + ("-batch" if in_batch else "")
 
 
-def cell_rid(f: int, kind: str, layer: int, token: int, s: int) -> str:
-    return f"f{f:03d}-{kind}-L{layer:02d}-t{token:03d}-s{s}"
+def cell_rid(f: int, component: str, layer: int, token: int, s: int) -> str:
+    return f"f{f:03d}-{component}-L{layer:02d}-t{token:03d}-s{s}"
 
 
 def load_facts(cfg: RunBase, tokenizer, base: Path | None) -> list[TraceFact]:
@@ -168,7 +169,7 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
                                                         "prompt: it needs prompts without a chat template")
     if cfg.sampling.teacher_forcing is not None:
         raise ConfigError.at("sampling.teacher_forcing", "a causal trace generates no text to force")
-    if set(trace.kinds) & set(KIND_HOOK) and trace.window > facts_.num_layers:
+    if set(trace.components) & WINDOWED and trace.window > facts_.num_layers:
         raise ConfigError.at("causal_trace.window",
                              f"{trace.window} is larger than the model, which has {facts_.num_layers} layers")
     layers = tuple(parse_layers(trace.layers, facts_.num_layers, "causal_trace.layers"))
@@ -177,23 +178,23 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
     check_length(cfg, [f.clean for f in facts] + [f.corrupt for f in facts], 1)
     samples = trace.noise.samples if trace.corruption == "noise" else 1
     std = noise_scale(facts, embeddings, trace.noise.k) if trace.corruption == "noise" else 0.0
-    layout = TraceLayout(tuple(facts), tuple(trace.kinds), layers, facts_.num_layers, trace.window, samples,
+    layout = TraceLayout(tuple(facts), tuple(trace.components), layers, facts_.num_layers, trace.window, samples,
                          trace.corruption, std, trace.filter)
     s = cfg.sampling
     embed_site = site_id(0, "pre_attn")
     # the sites some restore reads: the clean runs keep their values there (at the positions cells restore)
-    restored_sites = sorted({site for kind in trace.kinds for layer in layers
-                             for site in layout.restore_sites(kind, layer, trace.resid_hook)})
+    restored_sites = sorted({site for component in trace.components for layer in layers
+                             for site in layout.restore_sites(component, layer, trace.resid_hook)})
 
     # packed cells skip the layers below their lowest restore: there they compute what their corrupted run does,
     # which keeps its residual stream at those layers for them
     skip_layers = cfg.engine.packs_cells()
     stride = cfg.engine.cell_entry_stride
     starts = {}
-    for kind in trace.kinds:
+    for component in trace.components:
         for layer in layers:
-            lowest = min(site_of(site)[0] for site in layout.restore_sites(kind, layer, trace.resid_hook))
-            starts[kind, layer] = lowest - lowest % stride
+            lowest = min(site_of(site)[0] for site in layout.restore_sites(component, layer, trace.resid_hook))
+            starts[component, layer] = lowest - lowest % stride
     stream_sites = sorted({site_id(start, "pre_attn") for start in starts.values() if start > 0}) \
         if skip_layers else []
 
@@ -206,22 +207,22 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
         condition = clean_rid(f) if trace.filter else None
         run = run_digest(fact.clean, [])
         mapped = fact.restored
-        keep = {"run": run, "groups": keep_groups({site: set(mapped.values()) for site in restored_sites})}
+        keep = Keep(run, keep_groups({site: set(mapped.values()) for site in restored_sites}))
         requests.append(make_request(clean_rid(f), fact.clean, s, keep=keep, max_tokens=1,
                                      meta={"fact": f, "part": "clean"}))
-        # each restore (the clean values at one kind, layer and token) once, for the cells of every noise sample
+        # each restore (the clean values at one component, layer and token) once, for the cells of every noise sample
         restores: dict[tuple[str, int, int], Patch] = {}
         restore_refs: dict[str, tuple[str, int, int]] = {}
-        for kind in trace.kinds:
+        for component in trace.components:
             for layer in layers:
-                sites = layout.restore_sites(kind, layer, trace.resid_hook)
+                sites = layout.restore_sites(component, layer, trace.resid_hook)
                 for token, clean_pos in sorted(mapped.items()):
                     entries = []
                     for site in sites:
                         ref = ref_key(run, site, clean_pos)
                         restore_refs[ref] = (clean_rid(f), site, clean_pos)
                         entries.append((site, token, ref, 0.0, 1.0))
-                    restores[kind, layer, token] = Patch.of(entries)
+                    restores[component, layer, token] = Patch.of(entries)
         corrupt_entries = []
         if trace.corruption == "noise":
             noise = np.random.default_rng([trace.noise.seed, f]).standard_normal(
@@ -247,8 +248,7 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
                     refs[ref_key(base, site, pos)] = (corrupt_rid(f, sample), site, pos)
             stream = None
             if skip_layers:  # its stream at its cells' entry layers, and its KV before their restored tokens
-                stream = {"run": base, "groups": keep_groups({site: set(positions) for site in stream_sites}),
-                          "kv": True}
+                stream = Keep(base, keep_groups({site: set(positions) for site in stream_sites}), kv=True)
                 kv_refs[kv_key(base)] = (corrupt_rid(f, sample), -1, -1)
             requests.append(make_request(corrupt_rid(f, sample), fact.corrupt, s, patch=noise_patch, max_tokens=1,
                                          meta=meta, keep=stream))
@@ -256,14 +256,16 @@ def compile_trace(cfg: RunBase, facts_: ModelFacts, tokenizer, base: Path | None
                                          max_tokens=1, stage=1, role="baseline", meta={**meta, "in_batch": True},
                                          condition=condition))
             refs.update(restore_refs)  # named by this sample's cells, after its stream refs
-            for (kind, layer, token), restore in restores.items():
-                start = starts[kind, layer]
+            for (component, layer, token), restore in restores.items():
+                start = starts[component, layer]
                 patch = noise_patch.overlaid(restore)  # a restore wins over the noise at its (site, position)
                 requests.append(make_request(
-                    cell_rid(f, kind, layer, token, sample), fact.corrupt, s, patch=patch, max_tokens=1, stage=1,
-                    role="patched", condition=condition, start=[start, base] if stream_sites and start > 0 else None,
-                    reuse=[base, token] if skip_layers else None,
-                    meta={"fact": f, "part": "cell", "kind": kind, "layer": layer, "token": token, "sample": sample}))
+                    cell_rid(f, component, layer, token, sample), fact.corrupt, s, patch=patch, max_tokens=1, stage=1,
+                    role="patched", condition=condition,
+                    start=StartLayer(start, base) if stream_sites and start > 0 else None,
+                    reuse=ReuseKv(base, token) if skip_layers else None,
+                    meta={"fact": f, "part": "cell", "component": component, "layer": layer, "token": token,
+                          "sample": sample}))
     bank = bank_rows_for(cfg, len(sources) + len(refs))
     refs.update(kv_refs)  # released with the refs, kept outside the bank
     mark_private_kv(requests)

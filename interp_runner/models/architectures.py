@@ -1,21 +1,11 @@
-"""Supported model families: HF architecture name -> vLLM decoder-layer class that the plugin instruments.
+"""Supported model families by HF architecture name, derived from their block layouts (``layouts.LAYOUTS``).
 
-All of them are pre-norm blocks with the same site layout (see ``interp_runner.sites``).
+``DECODER_LAYERS``: HF architecture -> the vLLM decoder-layer class the plugin instruments.
+``LLAMA_CPP_ARCH``: HF architecture -> llama.cpp's name for it (the GGUF ``general.architecture`` its converter
+writes, which ``cvector-generator`` copies into a control vector's ``controlvector.model_hint``).
 """
 
-DECODER_LAYERS = {
-    "LlamaForCausalLM": ("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
-    "MistralForCausalLM": ("vllm.model_executor.models.mistral", "MistralDecoderLayer"),
-    "Qwen2ForCausalLM": ("vllm.model_executor.models.qwen2", "Qwen2DecoderLayer"),
-    "Qwen3ForCausalLM": ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"),
-}
+from .layouts import BY_ARCHITECTURE
 
-# HF architecture -> llama.cpp's name for it (the GGUF ``general.architecture`` its converter writes, which
-# ``cvector-generator`` copies into a control vector's ``controlvector.model_hint``); convert_hf_to_gguf.py converts
-# MistralForCausalLM as llama
-LLAMA_CPP_ARCH = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+DECODER_LAYERS = {arch: layout.decoder_layer for arch, layout in BY_ARCHITECTURE.items()}
+LLAMA_CPP_ARCH = {arch: layout.llama_cpp_arch for arch, layout in BY_ARCHITECTURE.items()}

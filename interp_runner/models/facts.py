@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from . import seeded
-from .architectures import DECODER_LAYERS
+from .layouts import UnsupportedArchitecture, layout_for
 
 # config.json keys vLLM reads a model's longest sequence from (the smallest of those present counts)
 MAX_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
@@ -44,13 +44,19 @@ class ModelFacts:
         """With ``weights_seed``, the weights are seeded ones (``seeded``), not the folder's files."""
         config = read_json(folder / "config.json")
         architecture = (config.get("architectures") or ["<none>"])[0]
-        if architecture not in DECODER_LAYERS:
-            raise UnsupportedModel(
-                f"unsupported architecture {architecture}; supported: {', '.join(DECODER_LAYERS)}"
-            )
+        try:
+            layout = layout_for(architecture)
+        except UnsupportedArchitecture as err:
+            raise UnsupportedModel(str(err)) from None
         if weights_seed is None and not any(folder.glob("*.safetensors")):
             raise UnsupportedModel(f"{folder} holds no .safetensors weights")
         text = config.get("text_config", config)
+        # the family's own names for the standard keys (GPT-2's n_layer, ...), where the standard one is absent
+        text = {**{std: text[own] for std, own in layout.config_aliases if text.get(own) is not None}, **text}
+        for key, value in layout.config_requires:
+            if text.get(key) != value:
+                raise UnsupportedModel(f"{folder / 'config.json'}: {key} is {text.get(key)!r}; {layout.family} "
+                                       f"blocks are supported with {key} {value!r} only")
 
         def count(key: str, default: int | None = None) -> int:
             value = text.get(key, default)
@@ -72,7 +78,8 @@ class ModelFacts:
             num_heads=num_heads,
             num_kv_heads=count("num_key_value_heads", num_heads),
             head_dim=count("head_dim") if text.get("head_dim") is not None else hidden_size // num_heads,
-            intermediate_size=count("intermediate_size"),
+            # absent (GPT-2's n_inner null): GPT-2's and GPT-NeoX's 4 x hidden_size
+            intermediate_size=count("intermediate_size", 4 * hidden_size),
             dtype=str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "float32"),
             max_model_len=max_len,
             max_model_len_key=max_len_key,
@@ -131,14 +138,20 @@ def weights_sha256(folder: Path) -> str:
 
 
 def embedding_rows(folder: Path, token_ids) -> np.ndarray:
-    """Rows of the input embedding matrix (float32), read straight from the safetensors files."""
+    """Rows of the input embedding matrix (float32), read straight from the safetensors files, as layer 0 reads
+    them (times the family's ``BlockLayout.embed_scale``)."""
     from safetensors import safe_open
 
     ids = np.asarray(token_ids, dtype=np.int64)
+    config = read_json(Path(folder) / "config.json")
+    layout = layout_for((config.get("architectures") or ["<none>"])[0])
+    text = config.get("text_config", config)
+    scale = np.float32(text["hidden_size"] ** 0.5) if layout.embed_scale == "sqrt_hidden" else None
     for f in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
-            name = next((k for k in fh.keys() if k.endswith("embed_tokens.weight")), None)
+            name = next((k for k in fh.keys() if k.endswith(layout.embed_tensor)), None)
             if name is not None:
                 table = fh.get_slice(name)
-                return np.stack([table[int(i) : int(i) + 1].float().numpy()[0] for i in ids])
-    raise UnsupportedModel(f"no embed_tokens.weight in {folder}")
+                rows = np.stack([table[int(i) : int(i) + 1].float().numpy()[0] for i in ids])
+                return rows if scale is None else rows * scale
+    raise UnsupportedModel(f"no {layout.embed_tensor} in {folder}")

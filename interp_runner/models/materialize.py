@@ -22,10 +22,13 @@ from typing import Callable
 import torch
 from filelock import FileLock
 
-from . import tiny_random
+from . import tiny_families, tiny_gpt_moe, tiny_random
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILDERS = ("smollm2_135m", "tiny_random")
+# modules of tiny random models of other families: each with FAMILIES (name -> family), WEIGHTS_SHA256 (name ->
+# pinned sha256) and write_folder(family, out, vocab_size, bos, eos, pad)
+TINY_FAMILY_MODULES = {name: module for module in (tiny_families, tiny_gpt_moe) for name in module.FAMILIES}
+BUILDERS = ("smollm2_135m", "tiny_random", *TINY_FAMILY_MODULES)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 PROBE = "The Eiffel Tower is located in the city of"
@@ -193,12 +196,46 @@ def build_tiny_random(cache: Path | None = None) -> Path:
     return _materialize("tiny_random", cache, lambda out: _build_tiny(out, cache), tiny_random.WEIGHTS_SHA256)
 
 
+def _build_family(name: str, out: Path, cache: Path | None) -> None:
+    """A tiny model of another family (``TINY_FAMILY_MODULES``) with the SmolLM2 tokenizer, checked as
+    ``tiny_random`` is (HF loads it, prompts disagree on their first token, input perturbations are not
+    amplified)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    smol = materialize_smollm2(cache)
+    tokenizer = AutoTokenizer.from_pretrained(smol)
+    module = TINY_FAMILY_MODULES[name]
+    module.write_folder(module.FAMILIES[name], out, len(tokenizer), tokenizer.bos_token_id,
+                        tokenizer.eos_token_id, tokenizer.pad_token_id)
+    for f in TOKENIZER_FILES:
+        if (smol / f).exists():
+            shutil.copy2(smol / f, out / f)
+    # eager experts: the grouped kernel of MoE models has no float64 (``perturbation_growth`` runs in it)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, experts_implementation="eager").eval()
+    ids_list = [tokenizer(p, return_tensors="pt").input_ids for p in tiny_random.PROBES]
+    with torch.no_grad():
+        probs = [model(ids).logits[0, -1].softmax(-1) for ids in ids_list]
+    firsts, top1 = {int(p.argmax()) for p in probs}, min(p.max().item() for p in probs)
+    growth = tiny_random.perturbation_growth(model, ids_list)
+    if len(firsts) < 2 or top1 < 100 / len(tokenizer) or growth > tiny_random.MAX_PERTURBATION_GROWTH:
+        raise RuntimeError(f"{name} looks degenerate: first tokens {sorted(firsts)}, min top-1 prob {top1:.3g}, "
+                           f"perturbation growth {growth:.3g}x")
+
+
+def build_tiny_family(name: str, cache: Path | None = None) -> Path:
+    """A few-layer random model of another family (``TINY_FAMILY_MODULES``), with the SmolLM2 tokenizer."""
+    return _materialize(name, cache, lambda out: _build_family(name, out, cache),
+                        TINY_FAMILY_MODULES[name].WEIGHTS_SHA256[name])
+
+
 def model_path(name_or_path: str) -> Path:
     """Resolve a built-in model name or a local HF folder."""
     if name_or_path == "smollm2_135m":
         return materialize_smollm2()
     if name_or_path == "tiny_random":
         return build_tiny_random()
+    if name_or_path in TINY_FAMILY_MODULES:
+        return build_tiny_family(name_or_path)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(

@@ -15,14 +15,14 @@ def register() -> None:
     global _registered
     if _registered or os.environ.get(ENABLE_ENV) != "1":
         return
-    from . import layers, ops, prefix_cache, runner_patches, seeded_loader
+    from . import kv_groups, layers, ops, prefix_cache, runners, seeded_loader
 
     ops.register_ops()
     seeded_loader.register()
     layers.instrument_decoder_layers()
-    runner_patches.instrument_model_runner()
-    runner_patches.instrument_cpu_warm_up()
+    runners.instrument()  # every model runner vLLM may pick (``runners``)
     prefix_cache.instrument_block_hashing()
+    kv_groups.keep_fields_when_unifying()
     _registered = True
 
 

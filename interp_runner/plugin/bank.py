@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from interp_runner.contracts import Keep
 from interp_runner.payload import ref_key, unpack_positions
 
 from .records import KeptGroup, StreamKey
@@ -104,18 +105,18 @@ class PatchBank:
         for key in keys:
             users[key] = users.get(key, 0) + 1
 
-    def reserve_kept(self, keep: dict) -> tuple[list[KeptGroup], list[str]]:
+    def reserve_kept(self, keep: Keep) -> tuple[list[KeptGroup], list[str]]:
         """Bank rows for the values a request keeps (its ``keep`` payload), written by the steps that compute them;
         returns the groups and the keys the request writes (which it uses). A key already in the bank stays (kept
         again if it was released) and keeps its row, written only if no step has yet (the same computation); with
         the bank full, a key gets none, and requests that need it are voided."""
-        run, reserved, writes, groups = keep["run"], [], [], []
+        run, reserved, writes, groups = keep.run, [], [], []
         rows_in_bank, free = self.rows, self._free
-        for sites, positions in keep["groups"]:
-            positions = np.unique(unpack_positions(positions)).astype(np.int64)
+        for group in keep.groups:
+            positions = np.unique(unpack_positions(group.positions)).astype(np.int64)
             if not len(positions):
                 continue
-            sites = tuple(int(x) for x in sites)
+            sites = group.sites
             keys = [ref_key(run, site, p) for site in sites for p in positions.tolist()]
             rows = []
             if len(free) >= len(keys) and all(k not in rows_in_bank for k in keys):  # the usual case: all new

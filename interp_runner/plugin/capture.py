@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import interp_runner_kernels as kernels
+from interp_runner.contracts import Capture
 from interp_runner.payload import unpack_positions
 from interp_runner_kernels.reference import gather_rows
 
@@ -38,14 +39,14 @@ class Gathered(NamedTuple):
     values: torch.Tensor
 
 
-def capture_groups(specs) -> list[CaptureGroup]:
-    """A request's capture specs ``[sites, positions, generated]`` as groups in which every site appears once: a
-    site named by several specs gets the union of their positions (a step then copies each of its rows once, so a
-    site never captures more rows than the step has)."""
+def capture_groups(specs: tuple[Capture, ...]) -> list[CaptureGroup]:
+    """A request's captures as groups in which every site appears once: a site named by several captures gets the
+    union of their positions (a step then copies each of its rows once, so a site never captures more rows than
+    the step has)."""
     by_site: dict[int, list[tuple[bytes, bool]]] = defaultdict(list)
-    for sites, positions, generated in specs:
-        for site in sites:
-            by_site[int(site)].append((bytes(positions), bool(generated)))
+    for spec in specs:
+        for site in spec.sites:
+            by_site[site].append((spec.positions, spec.generated))
     grouped: dict[tuple[bytes, bool], list[int]] = defaultdict(list)
     for site, keys in by_site.items():
         if len(set(keys)) == 1:

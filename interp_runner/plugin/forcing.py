@@ -13,7 +13,8 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from interp_runner.payload import PAYLOAD_KEY, unpack_positions
+from interp_runner.contracts import payload_of
+from interp_runner.payload import unpack_positions
 
 
 class ForcedTokens(LogitsProcessor):
@@ -26,8 +27,8 @@ class ForcedTokens(LogitsProcessor):
 
     @staticmethod
     def _forced(params, prompt_ids, output_ids) -> tuple[list[int], list[int]] | None:
-        payload = (params.extra_args or {}).get(PAYLOAD_KEY) or {}
-        force = payload.get("force")
+        payload = payload_of(params)
+        force = payload.force if payload is not None else None
         return (unpack_positions(force).tolist(), output_ids) if force else None
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from interp_runner.contracts import PluginSpec
 from interp_runner.payload import KV_PREFIX
 
 
@@ -39,10 +40,10 @@ class KeptKV:
         self._checked = False
 
     @classmethod
-    def for_engine(cls, vllm_config, spec: dict, staging, fold) -> KeptKV:
+    def for_engine(cls, vllm_config, spec: PluginSpec, staging, fold) -> KeptKV:
         """Rows for the prompts the engine's spec keeps (``kv_rows`` positions in ``kv_runs`` prompts); none for a
         quantized cache."""
-        positions, prompts = int(spec.get("kv_rows", 0)), int(spec.get("kv_runs", 0))
+        positions, prompts = spec.kv_rows, spec.kv_runs
         cache = vllm_config.cache_config if positions else None
         if cache is None or cache.cache_dtype != "auto":
             return cls(0, 0, 0, 1, None, None, staging, fold)

@@ -1,11 +1,14 @@
-"""Instrumented forward for the pre-norm decoder blocks of the Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""Instrumented forwards of the decoder blocks, built from each family's block layout (``models.layouts``).
 
-vLLM's block returns ``(hidden, residual)`` and defers the add into the next fused add+norm, so the residual
-stream at a site is ``hidden + residual``. Steering the stream adds to ``residual``; capturing it adds the halves
-on the copied rows only; patching it (``interp::site_pair``) replaces both halves of the patched rows. Sites
-without an op cost nothing: which sites carry one is fixed when the engine is built (``additional_config``), so
-compiled graphs see plain, static code. After the last layer, the stream the model's final norm reads is checked
-for non-finite values (``nonfinite``).
+A block with ``fused_add_norm`` (all but GPT-2 and GPT-NeoX, whose blocks return the stream itself:
+``plain_blocks``) returns ``(hidden, residual)`` and vLLM defers each add into the next fused add+norm, so the
+residual stream at a site is ``hidden + residual``. Steering the
+stream adds to ``residual``; capturing it adds the halves on the copied rows only; patching it
+(``interp::site_pair``) replaces both halves of the patched rows. A branch hook sees the branch's output after the
+family's post-branch norm, if any (``BlockLayout.post_attn_norm`` / ``post_mlp_norm``): what is added to the
+stream. Sites without an op cost nothing: which sites carry one is fixed when the engine is built
+(``additional_config``), so compiled graphs see plain, static code. After the last layer, the stream the model's
+final norm reads is checked for non-finite values (``nonfinite``).
 """
 
 from __future__ import annotations
@@ -16,23 +19,24 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 
-from interp_runner.models.architectures import DECODER_LAYERS
-from interp_runner.payload import ENGINE_KEY
-from interp_runner.sites import HOOKS, site_id
+from interp_runner.models.layouts import BlockLayout, layouts_by_class
+from interp_runner.contracts import ENGINE_KEY, plugin_spec_of
+from interp_runner.sites import site_id
 
 from . import runtime
 from .ops import apply_pair, apply_site, flag_rows
+from .expert_group import ensure_expert_group
+from .plain_blocks import plain_forward
 
 
-def instrumented_forward(self, positions, hidden_states, residual, **kwargs):
+def _site_op(self):
+    """``at(hook, x, extra)``: (x, extra) after the site's op; extra is only replaced where the site patches the
+    stream."""
     sites = self._interp_sites
-    if sites is None:
-        return self._interp_original_forward(positions, hidden_states, residual, **kwargs)
     state = self._interp_state
     direct = state.direct_sites  # None but in a step run layer by layer (never in a compiled graph)
 
     def at(hook, x, extra):
-        """(x, extra) after the site's op; extra is only replaced where the site patches the stream."""
         site = sites.get(hook)
         if site is None:
             return x, extra
@@ -45,47 +49,82 @@ def instrumented_forward(self, positions, hidden_states, residual, **kwargs):
             return apply_pair(x, extra, site)
         return apply_site(x, extra, site), extra
 
-    if residual is None:
-        hidden_states, _ = at("pre_attn", hidden_states, None)
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    return at
+
+
+def _check_final_stream(self, hidden_states, residual) -> None:
+    """Rows the final norm cannot normalize: the float32 sum of squares of the stream it reads is not finite."""
+    bad = ~torch.isfinite((hidden_states + residual).float().square().sum(-1))
+    if self._interp_state.direct_sites is not None:
+        self._interp_state.flag_rows(bad)
     else:
-        residual, hidden_states = at("pre_attn", residual, hidden_states)
-        hidden_states, residual = self.input_layernorm(hidden_states, residual)
-    hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-    hidden_states, _ = at("attn_out", hidden_states, None)
-    residual, hidden_states = at("post_attn", residual, hidden_states)
+        flag_rows(bad)
 
-    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-    hidden_states = self.mlp(hidden_states)
-    hidden_states, _ = at("mlp_out", hidden_states, None)
-    residual, hidden_states = at("post_block", residual, hidden_states)
-    if self._interp_last:
-        # rows the final norm cannot normalize: the float32 sum of squares of the stream it reads is not finite
-        bad = ~torch.isfinite((hidden_states + residual).float().square().sum(-1))
-        if direct is not None:
-            state.flag_rows(bad)
+
+def fused_add_norm_forward(layout: BlockLayout):
+    """The instrumented forward of a pre-norm block whose adds vLLM defers into fused add+norms."""
+    pre_attn_norm, pre_mlp_norm = layout.pre_attn_norm, layout.pre_mlp_norm
+    post_attn_norm, post_mlp_norm = layout.post_attn_norm, layout.post_mlp_norm
+    attn_name, mlp_name = layout.attn, layout.mlp
+
+    def forward(self, positions, hidden_states, residual, **kwargs):
+        if self._interp_sites is None:
+            return self._interp_original_forward(positions, hidden_states, residual, **kwargs)
+        at = _site_op(self)
+        if residual is None:
+            hidden_states, _ = at("pre_attn", hidden_states, None)
+            residual = hidden_states
+            hidden_states = getattr(self, pre_attn_norm)(hidden_states)
         else:
-            flag_rows(bad)
-    return hidden_states, residual
+            residual, hidden_states = at("pre_attn", residual, hidden_states)
+            hidden_states, residual = getattr(self, pre_attn_norm)(hidden_states, residual)
+        hidden_states = getattr(self, attn_name)(positions=positions, hidden_states=hidden_states, **kwargs)
+        if post_attn_norm is not None:
+            hidden_states = getattr(self, post_attn_norm)(hidden_states)
+        hidden_states, _ = at("attn_out", hidden_states, None)
+        residual, hidden_states = at("post_attn", residual, hidden_states)
+
+        hidden_states, residual = getattr(self, pre_mlp_norm)(hidden_states, residual)
+        hidden_states = getattr(self, mlp_name)(hidden_states)
+        if post_mlp_norm is not None:
+            hidden_states = getattr(self, post_mlp_norm)(hidden_states)
+        hidden_states, _ = at("mlp_out", hidden_states, None)
+        residual, hidden_states = at("post_block", residual, hidden_states)
+        if self._interp_last:
+            _check_final_stream(self, hidden_states, residual)
+        return hidden_states, residual
+
+    return forward
 
 
-def _instrumented_init(original_init):
+def block_forward(layout: BlockLayout):
+    """The instrumented forward for ``layout``'s kind of block; a kind without one is refused."""
+    if layout.fused_add_norm and not layout.parallel_residual and layout.pre_attn_norm and layout.pre_mlp_norm:
+        return fused_add_norm_forward(layout)
+    if not layout.fused_add_norm and layout.pre_attn_norm and layout.pre_mlp_norm and not layout.sandwich:
+        return plain_forward(layout, _site_op, _check_final_stream)
+    raise NotImplementedError(f"interp ops have no instrumented forward for {layout.family}'s block layout")
+
+
+def _instrumented_init(original_init, layout: BlockLayout):
     def __init__(self, *args, **kwargs):
+        if layout.router is not None:  # a MoE block's experts need vLLM's expert-parallel group
+            ensure_expert_group()
         original_init(self, *args, **kwargs)
         self._interp_sites = None
         spec = (get_current_vllm_config().additional_config or {}).get(ENGINE_KEY)
         if spec is None:
             return
+        spec = plugin_spec_of(spec)
         if getattr(self, "ada_rms_norm_t_cond", None) is not None:
             raise NotImplementedError("interp ops do not support adaptive RMS-norm decoder layers")
         state = runtime.state_for_current_engine(spec)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         layer = extract_layer_index(prefix)
-        active = set(spec["steer_sites"]) | set(spec["capture_sites"]) | set(spec["patch_sites"])
+        active = set(spec.steer_sites) | set(spec.capture_sites) | set(spec.patch_sites)
         self._interp_sites = {
             hook: site_id(layer, hook)
-            for hook in HOOKS
+            for hook in layout.hooks
             if site_id(layer, hook) in active
         }
         self._interp_pair_sites = frozenset(s for s in self._interp_sites.values() if s in state.patch_index)
@@ -98,10 +137,10 @@ def _instrumented_init(original_init):
 
 
 def instrument_decoder_layers() -> None:
-    for module_name, class_name in DECODER_LAYERS.values():
+    for (module_name, class_name), layout in layouts_by_class().items():
         cls = getattr(importlib.import_module(module_name), class_name)
         if "_interp_original_forward" in cls.__dict__:
             continue
         cls._interp_original_forward = cls.forward
-        cls.forward = instrumented_forward
-        cls.__init__ = _instrumented_init(cls.__init__)
+        cls.forward = block_forward(layout)
+        cls.__init__ = _instrumented_init(cls.__init__, layout)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import interp_runner_kernels as kernels
+from interp_runner.contracts import PatchColumns
 
 from .records import PatchEntries
 
@@ -57,14 +58,15 @@ class PatchRows:
         return {self.sites[i] for i in np.unique(self._flat_host // self.max_rows).tolist()}
 
     # -- a request's entries ------------------------------------------------------------------------
-    def entries(self, patch: dict, banks: list[int]) -> PatchEntries:
+    def entries(self, patch: PatchColumns, banks: list[int]) -> PatchEntries:
         """A request's ``patch`` payload, with the bank row of each entry's source."""
         if len(banks) > MANY_ENTRIES:
             return self._many_entries(patch, banks)
         # a few entries per request: plain lists (a step gathers them into one array each)
-        sites = memoryview(patch["site"]).cast("i").tolist()
-        positions = memoryview(patch["pos"]).cast("i").tolist()
-        a, b = memoryview(patch["a"]).cast("f").tolist(), memoryview(patch["b"]).cast("f").tolist()
+        sites = memoryview(patch.sites).cast("i").tolist()
+        positions = memoryview(patch.positions).cast("i").tolist()
+        a = memoryview(patch.value_weights).cast("f").tolist()
+        b = memoryview(patch.source_weights).cast("f").tolist()
         ordered = list(zip(positions, sites))
         if any(x >= y for x, y in zip(ordered, ordered[1:])):
             # one entry per (site, position), a later entry winning; sorted by position, then site
@@ -77,10 +79,10 @@ class PatchRows:
         base = [lookup[site] * self.max_rows + position for site, position in zip(sites, positions)]
         return PatchEntries(positions, base, banks, a, b, positions[0], positions[-1])
 
-    def _many_entries(self, patch: dict, banks: list[int]) -> PatchEntries:
+    def _many_entries(self, patch: PatchColumns, banks: list[int]) -> PatchEntries:
         """``entries`` for a request of many (packed cells): the same, sorted and looked up in numpy."""
-        sites = np.frombuffer(patch["site"], dtype=np.int32)
-        positions = np.frombuffer(patch["pos"], dtype=np.int32)
+        sites = np.frombuffer(patch.sites, dtype=np.int32)
+        positions = np.frombuffer(patch.positions, dtype=np.int32)
         order = np.lexsort((sites, positions))  # stable: equal (position, site) keep their order, the last wins
         sites, positions = sites[order], positions[order]
         last = np.ones(len(order), dtype=bool)
@@ -92,8 +94,8 @@ class PatchRows:
         if (index < 0).any():  # a site the engine lacks, as ``entries`` raises it
             raise KeyError(int(sites[index < 0][0]))
         base = index * self.max_rows + positions
-        a = np.frombuffer(patch["a"], dtype=np.float32)[keep]
-        b = np.frombuffer(patch["b"], dtype=np.float32)[keep]
+        a = np.frombuffer(patch.value_weights, dtype=np.float32)[keep]
+        b = np.frombuffer(patch.source_weights, dtype=np.float32)[keep]
         positions = positions.tolist()
         return PatchEntries(positions, base.tolist(), np.asarray(banks, dtype=np.int64)[keep].tolist(), a.tolist(),
                             b.tolist(), positions[0], positions[-1])
@@ -119,8 +121,8 @@ class PatchRows:
                 shift = starts[i] - first
                 flat += [x + shift for x in entries.base[j:k]]
                 banks += entries.bank_rows[j:k]
-                a += entries.a[j:k]
-                b += entries.b[j:k]
+                a += entries.value_weights[j:k]
+                b += entries.source_weights[j:k]
         mask = self.mask.view(-1)
         if self._flat is not None:
             mask[self._flat] = False

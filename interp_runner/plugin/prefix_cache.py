@@ -1,6 +1,6 @@
 """Prefix caching that knows about interventions (runs in vLLM's engine-core process).
 
-A request's payload lists ``kv`` ranges: ``[start, end, digest]`` says that positions ``start <= p < end``
+A request's payload lists ``kv`` ranges (``contracts.KvRange``): one says that positions ``start <= p < end``
 (end -1: to the end) were computed under interventions summed up by ``digest``. Each full block's hash gets the
 digests of the ranges it overlaps as extra keys, on top of vLLM's own (LoRA, multimodal, cache_salt). Since
 block hashes chain, a block is shared only between requests with the same tokens and the same interventions up
@@ -15,7 +15,7 @@ hashing and caching were the largest host cost per request.
 
 from __future__ import annotations
 
-from interp_runner.payload import PAYLOAD_KEY
+from interp_runner.contracts import payload_of
 
 PRIVATE = "interp-private"
 
@@ -24,11 +24,12 @@ def _interventions(request) -> tuple[tuple, int]:
     """(kv ranges, first private position or -1) of a request, read from its payload once."""
     cached = request.__dict__.get("_interp_kv")
     if cached is None:
-        params = getattr(request, "sampling_params", None)
-        extra = params.extra_args if params is not None else None
-        payload = (extra.get(PAYLOAD_KEY) if extra else None) or {}
-        private = payload.get("kv_private")
-        cached = (tuple(payload.get("kv") or ()), -1 if private is None else int(private))
+        payload = payload_of(getattr(request, "sampling_params", None))
+        if payload is None:
+            cached = ((), -1)
+        else:
+            private = payload.kv_private
+            cached = (tuple((x.start, x.end, x.digest) for x in payload.kv), -1 if private is None else private)
         request._interp_kv = cached
     return cached
 

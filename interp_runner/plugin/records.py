@@ -1,4 +1,4 @@
-"""A request's plan on the workers, as admitted from its payload (``interp_runner.payload``), and its parts.
+"""A request's plan on the workers, as admitted from its payload (``interp_runner.contracts``), and its parts.
 
 The components of the engine-side state (``runtime.InterpState``) each read their part of a plan: the steering
 table its slots, the capture buffer its capture and keep groups, the patch rows its entries, the packed-sequence
@@ -45,8 +45,8 @@ class PatchEntries:
     positions: list[int]
     base: list[int]  # flat [patch site, row] index of each, as if row = position (a step adds its row shift)
     bank_rows: list[int]
-    a: list[float]  # value <- a * value + b * source
-    b: list[float]
+    value_weights: list[float]  # value <- value weight * value + source weight * source
+    source_weights: list[float]
     lo: int  # lowest and highest patched position
     hi: int
 
@@ -76,6 +76,19 @@ class CellLayout:
     # blocks before it, by block of the segment
     reuse_from: np.ndarray | None = None
     reuse_rows: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class LayerSkip:
+    """A step whose packed cells enter the model above layer 0 (``skipping.run_layers``): it runs layer by layer,
+    each layer over a prefix of the step's rows, in model-row order."""
+
+    perm: object  # device int64: the batch row of each computed model row
+    rows: list[int]  # per layer: how many model rows it computes (those of the sequences that start at or below it)
+    seqs: list[int]  # per layer: how many sequences it computes
+    inject: object  # device int64: the bank rows of the streams the rows entering above layer 0 start from
+    reuse: tuple | None = None  # (batch rows, kept KV blocks) copied in before the layers run
+    slots: object | None = None  # the step's slot mapping in model-row order (made once, by the first builder)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,8 @@
 - the sampler's rank of a sampled token: counted without torch.compile once an eager interp engine binds.
 
 The runner is read through ``runner_view.V1RunnerView``. (Prefix-cache hashing is patched in vLLM's engine core,
-another process: ``prefix_cache``; decoder layers in ``layers``.)
+another process: ``prefix_cache``; decoder layers in ``layers``.) This is the V1 runner's room
+(``runners.v1``); ``state_of``, ``_score_logits`` and ``_packed_sequences`` serve every room (``runners.base``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from . import skipping
 from .ops import activate
 from .runner_view import V1RunnerView
+from .runners.base import VIEW_ATTR, mark, room_name
 
 
 def state_of(runner):
@@ -34,7 +36,7 @@ def state_of(runner):
                 break
         if state is not None:
             _score_logits(runner.model, state)
-            runner._interp_view = V1RunnerView(runner)
+            runner._interp_view = (getattr(type(runner), VIEW_ATTR, None) or V1RunnerView)(runner)
             from vllm.config import CompilationMode
 
             if runner.compilation_config.mode == CompilationMode.NONE:
@@ -62,8 +64,8 @@ def view_of(runner) -> V1RunnerView:
 
 
 def plans_steps(runner) -> bool:
-    """Whether the runner's class is the one patched here (any other runner would never plan a step)."""
-    return any("_interp_original_model_forward" in c.__dict__ for c in type(runner).__mro__)
+    """Whether a room patched the runner's class (any other runner would never plan a step)."""
+    return room_name(runner) is not None
 
 
 def _score_logits(model, state) -> None:
@@ -169,6 +171,7 @@ def instrument_model_runner() -> None:
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._model_forward = _model_forward
+    mark(GPUModelRunner, "v1", V1RunnerView)
 
 
 WARM_UP_TOKENS = 64

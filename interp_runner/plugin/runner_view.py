@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from interp_runner.payload import PAYLOAD_KEY
+from interp_runner.contracts import RequestPayload, payload_of
 
 
 class StepBatch:
@@ -32,7 +32,7 @@ class StepBatch:
 
 
 class NewRequest(NamedTuple):
-    payload: dict | None  # its interp payload (None: a request without one)
+    payload: RequestPayload | None  # its interp payload (None: a request without one)
     prompt_len: int
 
 
@@ -95,8 +95,7 @@ class V1RunnerView:
 
     def new_request(self, rid: str) -> NewRequest:
         request = self.runner.requests[rid]
-        extra = request.sampling_params.extra_args if request.sampling_params else None
-        return NewRequest((extra or {}).get(PAYLOAD_KEY), request.num_prompt_tokens)
+        return NewRequest(payload_of(request.sampling_params), request.num_prompt_tokens)
 
     @property
     def block_size(self) -> int:

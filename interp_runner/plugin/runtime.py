@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from interp_runner.contracts import PatchColumns, PluginSpec, RequestPayload, plugin_spec_of
 from interp_runner.payload import unpack_positions
 
 from .bank import PatchBank
@@ -58,7 +59,7 @@ class _Building(NamedTuple):
 _building: _Building | None = None
 
 
-def state_for_current_engine(spec: dict) -> InterpState:
+def state_for_current_engine(spec: PluginSpec) -> InterpState:
     """The state of the engine whose model is being built (one per engine, shared by its layers)."""
     global _building
     from vllm.config import get_current_vllm_config
@@ -84,14 +85,16 @@ class SteadyStep:
 class InterpState:
     """One engine's interp state on a worker (shared by its instrumented layers): see the module's docstring."""
 
-    def __init__(self, vllm_config, spec: dict):
+    def __init__(self, vllm_config, spec: PluginSpec | dict):
         from vllm.distributed import get_tensor_model_parallel_rank
+
+        spec = plugin_spec_of(spec)
 
         hidden_size = vllm_config.model_config.hf_text_config.hidden_size
         dtype = vllm_config.model_config.dtype
         device = torch.get_default_device()
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
-        self.fingerprint = spec["plugin"]
+        self.fingerprint = spec.plugin
         self.is_result_rank = get_tensor_model_parallel_rank() == 0
         self.instrumented_layers: set[int] = set()
         sched = vllm_config.scheduler_config
@@ -100,14 +103,14 @@ class InterpState:
         self.staging = staging = PinnedRing.for_device(device)
         self.rank_checksum = RankChecksum()
         fold = self._fold = self.rank_checksum.fold
-        self.steering = SteeringTable(tuple(spec["steer_sites"]), hidden_size, dtype, device, max_rows,
+        self.steering = SteeringTable(spec.steer_sites, hidden_size, dtype, device, max_rows,
                                       1 + 2 * sched.max_num_seqs, staging, fold)
-        self.patch_bank = PatchBank(int(spec.get("bank_rows", 0)), hidden_size, dtype, device, staging, fold)
-        self.patches = PatchRows(tuple(spec.get("patch_sites", ())), self.patch_bank.values, device, max_rows,
+        self.patch_bank = PatchBank(spec.bank_rows, hidden_size, dtype, device, staging, fold)
+        self.patches = PatchRows(spec.patch_sites, self.patch_bank.values, device, max_rows,
                                  staging, fold)
         self.readback = Readback(self.is_result_rank, staging)
         self.result_flags = ResultFlags(max_rows, device, staging, self.is_result_rank)
-        self.capture = CaptureBuffer(tuple(spec["capture_sites"]), hidden_size, dtype, device, max_rows,
+        self.capture = CaptureBuffer(spec.capture_sites, hidden_size, dtype, device, max_rows,
                                      self.patch_bank, self.readback, staging, fold)
         self.kept_kv = KeptKV.for_engine(vllm_config, spec, staging, fold)
         self.packing = PackedSequences(self.patch_bank, self.kept_kv, staging, fold)
@@ -170,26 +173,26 @@ class InterpState:
         return self.patch_bank.release(keys)
 
     # -- requests -----------------------------------------------------------------------------------
-    def _admit(self, payload: dict | None, prompt_len: int) -> RequestPlan | None:
+    def _admit(self, payload: RequestPayload | None, prompt_len: int) -> RequestPlan | None:
         if payload is None:
             return None
-        plan = RequestPlan(rid=payload["rid"], prompt_len=prompt_len)
-        if payload.get("steer"):
-            plan.steer_key, slots = self.steering.acquire(payload["steer"])
+        plan = RequestPlan(rid=payload.rid, prompt_len=prompt_len)
+        if payload.steer:
+            plan.steer_key, slots = self.steering.acquire(payload.steer)
             plan.prefill_slot, plan.decode_slot = slots.prefill, slots.decode
-        if payload.get("capture"):
-            plan.capture_groups = capture_groups(payload["capture"])
-        keep = payload.get("keep")
-        if keep:
+        if payload.capture:
+            plan.capture_groups = capture_groups(payload.capture)
+        keep = payload.keep
+        if keep is not None:
             plan.keep, writes = self.patch_bank.reserve_kept(keep)
             plan.bank_keys += tuple(writes)
-            if keep.get("kv") and self.kept_kv.reserve(keep["run"], prompt_len):
-                plan.kv_keep = keep["run"]
-        if payload.get("score") is not None:
-            plan.score_ids = unpack_positions(payload["score"]).astype(np.int64)
-        if payload.get("patch"):
-            self._admit_patch(plan, payload["patch"])
-        cells = payload.get("cells")
+            if keep.kv and self.kept_kv.reserve(keep.run, prompt_len):
+                plan.kv_keep = keep.run
+        if payload.score is not None:
+            plan.score_ids = unpack_positions(payload.score).astype(np.int64)
+        if payload.patch is not None:
+            self._admit_patch(plan, payload.patch)
+        cells = payload.cells
         if cells is not None:
             self.packing.admit(plan, cells)
             if plan.void is not None:
@@ -200,8 +203,8 @@ class InterpState:
         self.result_flags.acquire(plan)
         return plan
 
-    def _admit_patch(self, plan: RequestPlan, patch: dict) -> None:
-        keys = patch["src"]
+    def _admit_patch(self, plan: RequestPlan, patch: PatchColumns) -> None:
+        keys = patch.sources
         missing = self.patch_bank.missing(keys)
         if missing:  # never run it as if patched: it is reported void
             plan.void = f"{len(missing)} patch source(s) not on the worker, e.g. {missing[0]}"

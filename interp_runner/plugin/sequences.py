@@ -15,11 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from interp_runner.contracts import Cells, ReuseKv, StartLayer
 from interp_runner.payload import unpack_positions
 from interp_runner.sites import site_id
 
 from .readback import CellScores, Scored
-from .records import CellLayout, RequestPlan, StreamKey
+from .records import CellLayout, LayerSkip, RequestPlan, StreamKey
 
 
 class PackedSequences:
@@ -40,25 +41,25 @@ class PackedSequences:
         self.layer_metadata = {}
 
     # -- a request's cells --------------------------------------------------------------------------
-    def admit(self, plan: RequestPlan, cells: dict) -> None:
+    def admit(self, plan: RequestPlan, cells: Cells) -> None:
         """A packed request's cell layout (its ``cells`` payload) and, for cells that skip layers, the streams
         they start from (the plan is voided where one is missing)."""
         scored: dict[bytes, np.ndarray] = {}  # cells of one fact score the same token ids
-        for ids in cells["score"]:
+        for ids in cells.scores:
             if ids not in scored:
                 scored[ids] = unpack_positions(ids).astype(np.int64)
-        plan.cells = CellLayout(int(cells["prefix"]), int(cells["stride"]), int(cells["length"]),
-                                list(cells["rids"]), [scored[ids] for ids in cells["score"]])
-        if cells.get("start") and plan.void is None:
-            self._admit_starts(plan, cells["start"])
-        if cells.get("reuse") and plan.void is None:
-            self._admit_reuse(plan, cells["reuse"])
+        plan.cells = CellLayout(cells.prefix, cells.stride, cells.length, list(cells.rids),
+                                [scored[ids] for ids in cells.scores])
+        if cells.starts and plan.void is None:
+            self._admit_starts(plan, cells.starts)
+        if cells.reuses and plan.void is None:
+            self._admit_reuse(plan, cells.reuses)
 
-    def _admit_starts(self, plan: RequestPlan, starts: list) -> None:
+    def _admit_starts(self, plan: RequestPlan, starts: tuple[StartLayer | None, ...]) -> None:
         """Each cell's first layer and the bank rows of the stream its segment starts from there."""
         cells = plan.cells
         distinct: dict[tuple, int] = {}  # (layer, run) -> its index (cells of a request share a few)
-        which = np.array([distinct.setdefault((int(s[0]), s[1]), len(distinct)) if s else -1 for s in starts],
+        which = np.array([distinct.setdefault((s.layer, s.run), len(distinct)) if s else -1 for s in starts],
                          dtype=np.int64)
         layers = np.zeros(len(distinct) + 1, dtype=np.int64)  # the last: cells that start at the bottom
         table = np.zeros((len(distinct) + 1, cells.stride), dtype=np.int64)
@@ -84,7 +85,7 @@ class PackedSequences:
         self._bank.use_streams(plan.streams)
         self._fold(b"start", first, inject)
 
-    def _admit_reuse(self, plan: RequestPlan, reuse: list) -> None:
+    def _admit_reuse(self, plan: RequestPlan, reuse: tuple[ReuseKv | None, ...]) -> None:
         """Each cell's first computed position: the one its ``reuse`` names, where its run's KV of the positions
         before is kept (else its segment's first), and the kept blocks of its segment's blocks before it."""
         cells, kept = plan.cells, self._kept_kv
@@ -92,9 +93,9 @@ class PackedSequences:
         table = np.zeros((len(reuse), cells.stride // kept.block_size), dtype=np.int64)
         runs: dict[str, None] = {}
         for k, entry in enumerate(reuse):
-            if not entry:
+            if entry is None:
                 continue
-            run, position = entry[0], min(int(entry[1]), cells.prefix + cells.length - 1)
+            run, position = entry.run, min(entry.position, cells.prefix + cells.length - 1)
             rows = kept.rows(run, cells.prefix, position) if position > cells.prefix else None
             if rows is None:
                 continue
@@ -201,16 +202,15 @@ class PackedSequences:
             token_layer = np.repeat(first_layer, q_len)
             layers = np.arange(int(first_layer[-1]) + 1)
             num_first = int(np.searchsorted(token_layer, 0, side="right"))
-            skip = {
-                "perm": staging.upload(perm[:computed_rows]),  # model row -> batch row, computed rows
-                "rows": np.searchsorted(token_layer, layers, side="right").tolist(),  # a layer's rows
-                "seqs": np.searchsorted(first_layer, layers, side="right").tolist(),  # its sequences
-                "inject": staging.upload(inject[perm[num_first:computed_rows]]),
-                "reuse": None,  # (batch rows, kept blocks): blocks copied in before the layers run
-            }
+            skip = LayerSkip(
+                perm=staging.upload(perm[:computed_rows]),
+                rows=np.searchsorted(token_layer, layers, side="right").tolist(),
+                seqs=np.searchsorted(first_layer, layers, side="right").tolist(),
+                inject=staging.upload(inject[perm[num_first:computed_rows]]),
+            )
             if reuse_at:
                 at, rows = np.concatenate(reuse_at), np.concatenate(reuse_rows)
-                skip["reuse"] = (staging.upload(at), staging.upload(rows))
+                skip.reuse = (staging.upload(at), staging.upload(rows))
                 self.reused_rows += int(front.sum())
                 self._fold(b"reused", at, rows)
             positions = positions[perm]
@@ -237,7 +237,7 @@ class PackedSequences:
             "max_seq_len": int(seq_len.max()),
             "block_table": table[staging.upload(owner)[:, None], staging.upload(cols)],
             "is_prefilling": torch.from_numpy(seq_len - q_len < prompt_len[owner]),
-            "skip": skip,  # None, or a step that skips layers (``skipping.run_layers``)
+            "skip": skip,  # None, or a LayerSkip
         }
         view.write_positions(num_tokens, staging.upload(positions))
         if score_rows:

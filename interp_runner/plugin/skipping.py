@@ -4,7 +4,8 @@ Below its lowest restore, a causal-trace cell computes what its corrupted run co
 above layer 0 orders its attention sequences by first layer (``sequences.PackedSequences.plan``), so the rows layer
 ``l`` computes are a prefix of the step's rows: those of the sequences that start at or below ``l``. At its first
 layer a segment's rows enter with the residual stream the corrupted run kept there (bank rows), as ``hidden`` with
-a zero ``residual``: vLLM's deferred add then gives that stream exactly. Each attention layer reads metadata built
+a zero ``residual``: vLLM's deferred add then gives that stream exactly (a block that returns the stream itself,
+``BlockLayout.fused_add_norm`` False, takes it as it is). Each attention layer reads metadata built
 for its prefix of sequences, and writes KV for its rows only (layers a segment skips are never read by it). A
 segment's padding (to a whole block) is computed in no layer: no token reads it, so its rows stay zeros. The
 layers run eagerly (a layer's rows vary), with vLLM's fused kernels on GPUs; the interp ops' work is called
@@ -19,18 +20,22 @@ from contextlib import contextmanager
 
 import torch
 
+from interp_runner.models.layouts import layout_for
 
-def metadata_by_sequences(build, common, skip: dict, num_seqs: int) -> dict[int, object]:
+from .records import LayerSkip
+
+
+def metadata_by_sequences(build, common, skip: LayerSkip, num_seqs: int) -> dict[int, object]:
     """Attention metadata per number of leading sequences a layer computes (``build``: the backend builder's),
     from the step's ``common`` metadata in batch-row order; the slot mapping is put in model-row order (rows never
     computed, a segment's padding, have none: their KV is never written)."""
-    slots = skip.get("slots")
+    slots = skip.slots
     if slots is None:
-        slots = skip["slots"] = common.slot_mapping.index_select(0, skip["perm"])
+        slots = skip.slots = common.slot_mapping.index_select(0, skip.perm)
     query_start_cpu = common.query_start_loc_cpu
     seq_lens_cpu = common._seq_lens_cpu
     out = {}
-    for k, n in zip(skip["seqs"], skip["rows"]):
+    for k, n in zip(skip.seqs, skip.rows):
         if k in out or k == 0:
             continue
         if k == num_seqs:
@@ -103,23 +108,27 @@ def run_layers(view, state, input_ids: torch.Tensor, positions: torch.Tensor) ->
     metadata = packing.layer_metadata
     bank = state.patch_bank.values
     model = view.model()
-    inner = model.model
-    layers = inner.layers
+    layout = layout_for(model.config.architectures[0])
+    inner = getattr(model, layout.inner)
+    layers = getattr(inner, layout.blocks)
+    fused = layout.fused_add_norm  # else a block takes and returns the stream itself
     if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(layers)) != len(layers):
         raise RuntimeError("interp: cells that skip layers need the whole model on one pipeline stage")
     context = get_forward_context()
     if not isinstance(context.attn_metadata, dict) or not isinstance(context.slot_mapping, dict):
         raise RuntimeError("interp: cells that skip layers need one attention metadata per layer")
     names = view.attention_layers()
-    rows, seqs, perm, inject = skip["rows"], skip["seqs"], skip["perm"], skip["inject"]
-    slots = skip["slots"]
+    rows, seqs, perm, inject = skip.rows, skip.seqs, skip.perm, skip.inject
+    slots = skip.slots
     ids = input_ids.index_select(0, perm)
     first = rows[0]
     saved = dict(context.attn_metadata), dict(context.slot_mapping)
-    if skip["reuse"] is not None:  # cells' positions their runs computed: their kept KV blocks
-        at, kept_rows = skip["reuse"]
+    if skip.reuse is not None:  # cells' positions their runs computed: their kept KV blocks
+        at, kept_rows = skip.reuse
         state.kept_kv.copy_in(view, view.slot_mapping().index_select(0, at), kept_rows)
     hidden = inner.embed_input_ids(ids[:first])
+    if layout.position_embed is not None:
+        hidden = hidden + getattr(inner, layout.position_embed)(positions[:first])  # in model-row order
     residual = None
     state.call_ops_directly(True)  # the interp ops' work called directly, where it has any
     try:
@@ -132,14 +141,19 @@ def run_layers(view, state, input_ids: torch.Tensor, positions: torch.Tensor) ->
                     entering = bank.index_select(0, inject[have - first : n - first])
                     hidden = torch.cat([hidden, entering])
                     zeros = torch.zeros_like(entering)
-                    residual = zeros if residual is None else torch.cat([residual, zeros])
+                    if fused:
+                        residual = zeros if residual is None else torch.cat([residual, zeros])
                 if n == 0:
                     continue
                 for name, builder in names[index]:
                     context.attn_metadata[name] = metadata[builder][k]
                     context.slot_mapping[name] = slots[:n]
-                hidden, residual = layer(positions[:n], hidden, residual)
-            hidden, _ = inner.norm(hidden, residual)
+                if fused:
+                    hidden, residual = layer(positions[:n], hidden, residual)
+                else:
+                    hidden = layer(positions[:n], hidden) if layout.block_takes_positions else layer(hidden)
+            final_norm = getattr(inner, layout.final_norm)
+            hidden = final_norm(hidden, residual)[0] if fused else final_norm(hidden)
     finally:
         state.call_ops_directly(False)
         context.attn_metadata.clear()

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import interp_runner_kernels as kernels
-from interp_runner.payload import DECODE, PREFILL
+from interp_runner.contracts import DECODE, PREFILL, Steer
 
 
 @dataclass(slots=True)
@@ -77,10 +77,10 @@ class SteeringTable:
             self.vectors[key] = vec
         return len(self.vectors)
 
-    def acquire(self, steer: list) -> tuple[tuple, SlotPair]:
-        """The slots of a request's steering entries ``[site, phases, vector key, scale]`` (filled if new), and
-        their key."""
-        key = tuple(sorted((int(s), int(p), str(k), float(c)) for s, p, k, c in steer))
+    def acquire(self, steer: tuple[Steer, ...]) -> tuple[tuple, SlotPair]:
+        """The slots of a request's steering terms (filled if new), and their key: the terms as sorted
+        (site, phases, vector key, scale) tuples."""
+        key = tuple(sorted((t.site, t.phases, t.vector, t.scale) for t in steer))
         pair = self._in_use.get(key)
         if pair is None and key in self._idle:  # steered again (a sweep's next wave): reuse
             pair = self._in_use[key] = self._idle.pop(key)

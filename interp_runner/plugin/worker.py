@@ -8,6 +8,7 @@ from __future__ import annotations
 from interp_runner.payload import pack_results
 
 from .runner_patches import plans_steps, state_of, view_of
+from .runners.base import room_name
 
 
 class InterpWorkerExtension:
@@ -27,6 +28,7 @@ class InterpWorkerExtension:
             "loaded": True,
             # the planner lives in the patched runner's _model_forward: any other runner would never plan a step
             "runner_planned": plans_steps(self.model_runner),
+            "model_runner": room_name(self.model_runner),  # the runner vLLM picked: "v1" | "v2"
             "plugin": state.fingerprint,
             "instrumented_layers": sorted(state.instrumented_layers),
             "steer_sites": list(state.steer_sites),

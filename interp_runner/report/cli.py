@@ -13,9 +13,9 @@ from pathlib import Path
 from ..companions import record, why_not_owned
 from ..store_claim import StoreTarget, store_attrs
 from ..store_read import UnreadableStore
-from ..sweep import INDEX, write_index_page
+from ..sweep import INDEX
 from .run_report import write_report
-from .sweep_index import INDEX_PAGE
+from .sweep_index import INDEX_PAGE, write_index_page
 
 USAGE_ERROR = 2
 

@@ -1,13 +1,15 @@
 """Turning report contexts into one self-contained HTML file: the Jinja environment (autoescaped, strict), images
 as data URIs, cell formatting, and an atomic write.
 
-Nothing a report shows is fetched when it opens: styles are inline, images are ``data:`` URIs, and the page's
-Content-Security-Policy refuses every other source.
+Nothing a report shows is fetched when it opens: styles are inline, images are ``data:`` URIs or inline SVG, and
+the page's Content-Security-Policy refuses every other source. A page may carry one script, inline: ``SCRIPT``
+(``templates/report.js``), which the policy admits by its sha256 and which fetches nothing.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import math
 import os
 from collections.abc import Mapping
@@ -15,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+SCRIPT = TEMPLATES / "report.js"
 
 # image formats a browser shows, by their first bytes
 IMAGE_MAGIC = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF87a": "image/gif",
@@ -36,6 +40,13 @@ def environment() -> Environment:
 
 def render(template: str, **context) -> str:
     return environment().get_template(template).render(**context)
+
+
+def page_script() -> dict:
+    """What a page with the report's script needs: the script's text and its Content-Security-Policy source."""
+    text = SCRIPT.read_text(encoding="utf-8")
+    digest = base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii")
+    return {"text": Markup(text), "csp": f"'sha256-{digest}'"}
 
 
 def write_html(path: Path, html: str) -> Path:

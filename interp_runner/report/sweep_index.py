@@ -20,6 +20,7 @@ from ..store_claim import StoreTarget
 from ..store_read import open_dataset
 from .render import image_data_uri, render, write_html
 from . import run_report
+from ..sweep import read_jobs, swept_parameters
 
 INDEX_PAGE = "index.html"
 
@@ -121,3 +122,9 @@ def line_plot(key: str, series: dict, ordered: bool) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return image_data_uri(buffer.getvalue())
+
+
+def write_index_page(sweep_dir: Path, jobs: list[dict] | None = None, out_path: Path | None = None) -> Path:
+    """``<sweep dir>/index.html`` (or ``out_path``) for ``jobs`` (default: those ``sweep.json`` lists)."""
+    jobs = read_jobs(sweep_dir) if jobs is None else jobs
+    return write_sweep_index(Path(sweep_dir), jobs, swept_parameters(jobs), out_path)

@@ -1,6 +1,7 @@
 """Headless Chromium driven through the Chrome DevTools Protocol (the ``websockets`` package's sync client), for
 tests that open a page and check what a person would see: console errors, exceptions, failed or outside
-requests, images, headings, and a screenshot.
+requests, images, headings, and a screenshot; and that use it as a person would: the mouse moved or clicked at a
+point, then what went wrong since (``settle``), with the clipboard open to the page.
 
 Chromium is Debian's package (``scripts/install_browser.sh``); nothing else is downloaded.
 """
@@ -32,6 +33,7 @@ PAGE_FACTS = """(async () => {
     h3: Array.from(document.querySelectorAll("h3")).map(h => h.textContent.trim()),
     links: Array.from(document.querySelectorAll("a[href]")).map(a => a.getAttribute("href")),
     scripts: document.scripts.length,
+    script_srcs: Array.from(document.scripts).filter(s => s.src).map(s => s.src),
     width: document.documentElement.scrollWidth,
     height: document.documentElement.scrollHeight,
   };
@@ -108,10 +110,31 @@ class Browser:
         self.events = []
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.call(f"{domain}.enable")
+        # what a copy button writes can be read back (``navigator.clipboard.readText``)
+        self.call("Browser.grantPermissions", permissions=["clipboardReadWrite", "clipboardSanitizedWrite"])
         self.call("Page.navigate", url=Path(page).resolve().as_uri())
         self.wait_for("Page.loadEventFired")
-        facts = self.call("Runtime.evaluate", expression=PAGE_FACTS, awaitPromise=True, returnByValue=True)
-        load = PageLoad(facts["result"]["value"])
+        return self.settle(PageLoad(self.evaluate(PAGE_FACTS)))
+
+    def evaluate(self, expression: str):
+        """The value of a JavaScript expression in the page, a promise's awaited."""
+        reply = self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
+        if "exceptionDetails" in reply:
+            raise RuntimeError(f"{expression[:80]}: {reply['exceptionDetails']}")
+        return reply["result"].get("value")
+
+    def mouse(self, x: float, y: float, click: bool = False) -> None:
+        """Move the mouse to (x, y) in the viewport (CSS pixels); with ``click``, press and release its left button
+        there."""
+        self.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+        if click:
+            for kind in ("mousePressed", "mouseReleased"):
+                self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+    def settle(self, load: PageLoad | None = None) -> PageLoad:
+        """What went wrong, and what was requested, since the page opened or the last ``settle``: into ``load``
+        (default: a new one with no facts)."""
+        load = load if load is not None else PageLoad({})
         self.call("Runtime.evaluate", expression="0")  # let late events arrive before they are read
         for message in self.events:
             method, params = message.get("method"), message.get("params", {})
@@ -127,6 +150,7 @@ class Browser:
                 load.errors.append(f"request failed: {params.get('errorText')} {params.get('blockedReason', '')}")
             elif method == "Network.requestWillBeSent" and not params["request"]["url"].startswith("data:"):
                 load.requests.append(params["request"]["url"])
+        self.events = []
         return load
 
     def screenshot(self, path: Path, max_height: int = 20000) -> Path:

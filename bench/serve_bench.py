@@ -1,0 +1,207 @@
+"""Serving overhead on a GPU: ``interp-serve`` against stock ``vllm serve`` of the same model and engine settings,
+measured by vLLM's own ``vllm bench serve``, in paired intervals (as ``bench/steer_overhead.py``): both servers run
+side by side on one GPU, idle while the other is measured; rounds alternate stock/interp in ABBA order and each
+interp interval is judged against the stock interval next to it; the table gives the median of these paired ratios
+and its distribution-free 95% interval.
+
+Conditions on the interp server: ``plain`` (no request steered), ``steer50`` and ``steer100`` (half / all of the
+requests steered at post_block of every layer; a half is a second ``vllm bench serve`` client at half the rate,
+next to a plain one, both against the same server, their metrics pooled), ``capture4`` (every request captures its
+last prompt position at 4 layers). Separately, ``fresh-vector TTFT``: a vector registered (POST /v1/interp/vectors)
+right before a streamed request that steers with it, against requests steered with a vector registered long before
+and unsteered ones, interleaved.
+
+    python bench/serve_bench.py --model smollm2_135m                       # H100: about 10 minutes
+    python bench/serve_bench.py --model /models/llama-8b --input-len 1024 --output-len 256 --num-prompts 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from steer_overhead import median_interval  # noqa: E402  (the same interval as the offline bench)
+
+METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms", "output_throughput")
+CONDITIONS = ("plain", "steer50", "steer100", "capture4")
+
+
+def start(cmd: list[str], port: int, log: Path, env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{cmd[0]} exited {proc.returncode}; see {log}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"{cmd[0]} did not start; see {log}")
+
+
+def steer_body() -> dict:
+    return {"interp": {"steering": {"base": {"post_block": {"layer": "all", "vector": {"random": {"seed": 1,
+                                                                                                   "norm": 1.0}},
+                                                            "scale": 0.5}}}}}
+
+
+def capture_body(layers: int) -> dict:
+    chosen = sorted({0, layers // 3, 2 * layers // 3, layers - 1})
+    return {"interp": {"capture": {"layers": chosen, "positions": "last_prompt"}}}
+
+
+def bench(args, port: int, out: Path, num_prompts: int, rate: float, extra: dict | None) -> subprocess.Popen:
+    cmd = ["vllm", "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+           "--endpoint", "/v1/completions", "--model", args.served_name, "--tokenizer", args.model_dir,
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
+           "--request-rate", str(rate), "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
+           "--disable-tqdm", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    if extra:
+        cmd += ["--extra-body", json.dumps(extra)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def interval(args, port: int, condition: str, work: Path, tag: str, layers: int, hidden: int) -> dict:
+    """One measured interval: the condition's clients against the server on ``port``; pooled metrics."""
+    if condition in ("plain", "stock"):
+        clients = [(args.num_prompts, args.request_rate, None)]
+    elif condition == "steer100":
+        clients = [(args.num_prompts, args.request_rate, steer_body())]
+    elif condition == "capture4":
+        clients = [(args.num_prompts, args.request_rate, capture_body(layers))]
+    else:  # steer50: two clients at half the rate each, one steered
+        half = args.request_rate / 2 if args.request_rate != float("inf") else float("inf")
+        clients = [(args.num_prompts // 2, half, None), (args.num_prompts // 2, half, steer_body())]
+    outs = [work / f"{tag}-{i}.json" for i in range(len(clients))]
+    procs = [bench(args, port, out, n, rate, extra) for out, (n, rate, extra) in zip(outs, clients)]
+    for proc in procs:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"vllm bench serve failed:\n{err[-3000:]}")
+    results = [json.loads(out.read_text()) for out in outs]
+    weights = [r["completed"] for r in results]
+    pooled = {m: sum(r[m] * w for r, w in zip(results, weights)) / sum(weights) for m in METRICS if
+              m != "output_throughput"}
+    pooled["output_throughput"] = sum(r["output_throughput"] for r in results)
+    return pooled
+
+
+def fresh_vector_ttft(port: int, name: str, hidden: int, repeats: int) -> dict:
+    """TTFT (ms) of a streamed one-token request steered with a vector registered just before it, with one
+    registered long before, and unsteered: interleaved, ``repeats`` of each."""
+    import numpy as np
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    rng = np.random.default_rng(0)
+
+    def register(vector_name: str) -> None:
+        body = json.dumps({"name": vector_name, "values": rng.standard_normal(hidden).tolist(),
+                           "replace": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/interp/vectors", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=60).read()
+
+    def ttft(vector_name: str | None) -> float:
+        extra = None if vector_name is None else {"interp": {"steering": {"base": {"post_block": {
+            "layer": 0, "vector": vector_name}}}}}
+        t0 = time.perf_counter()
+        stream = client.completions.create(model=name, prompt="The history of bread begins", max_tokens=1,
+                                           stream=True, extra_body=extra)
+        next(iter(stream))
+        elapsed = time.perf_counter() - t0
+        stream.close()
+        return 1e3 * elapsed
+
+    register("old")
+    times: dict[str, list[float]] = {"fresh": [], "registered": [], "unsteered": []}
+    for i in range(repeats):
+        register(f"fresh{i}")
+        times["fresh"].append(ttft(f"fresh{i}"))
+        times["registered"].append(ttft("old"))
+        times["unsteered"].append(ttft(None))
+    return {k: {"median_ms": statistics.median(v), "max_ms": max(v)} for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2_135m", help="a built-in model name or a local HF folder")
+    ap.add_argument("--rounds", type=int, default=4, help="ABBA rounds (each: stock, interp, interp, stock)")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--request-rate", type=float, default=float("inf"))
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="each server's share")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ttft-repeats", type=int, default=20)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    from interp_runner.models.facts import ModelFacts
+    from interp_runner.models.materialize import model_path
+
+    folder = model_path(args.model)
+    facts = ModelFacts.from_folder(folder)
+    args.model_dir, args.served_name = str(folder), "served"
+    common = ["--served-model-name", "served", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+              "--max-model-len", str(args.input_len + args.output_len + 64), "--seed", "0",
+              "--disable-uvicorn-access-log", "--disable-log-stats"]
+    work = Path(tempfile.mkdtemp(prefix="serve_bench."))
+    env = {k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}
+    stock_env = {**env, "VLLM_USE_V2_MODEL_RUNNER": "0"}  # the model runner the interp engine uses
+    stock = start(["vllm", "serve", str(folder), "--port", "8101", *common], 8101, work / "stock.log", stock_env)
+    interp = start([sys.executable, "-m", "interp_runner.serve.cli", f"model.path={folder}",
+                    f"engine.max_model_len={args.input_len + args.output_len + 64}",
+                    f"engine.gpu_memory_utilization={args.gpu_memory_utilization}", "engine.enforce_eager=false",
+                    "--", "--port", "8102", *common[:2], *common[6:]], 8102, work / "interp.log", env)
+    report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
+    try:
+        for condition in CONDITIONS:
+            ratios: dict[str, list[float]] = {m: [] for m in METRICS}
+            for r in range(args.rounds):
+                order = ("stock", "interp", "interp", "stock")
+                got = {"stock": [], "interp": []}
+                for i, which in enumerate(order):
+                    port = 8101 if which == "stock" else 8102
+                    got[which].append(interval(args, port, "stock" if which == "stock" else condition, work,
+                                               f"{condition}-{r}-{i}-{which}", facts.num_layers, facts.hidden_size))
+                # pairs: each interp interval with the stock interval next to it (1 with 0, 2 with 3)
+                for s, x in ((got["stock"][0], got["interp"][0]), (got["stock"][1], got["interp"][1])):
+                    for m in METRICS:
+                        ratios[m].append(x[m] / s[m])
+            report["conditions"][condition] = {m: {"median": statistics.median(v), "interval_95": median_interval(v)}
+                                               for m, v in ratios.items()}
+        report["fresh_vector_ttft"] = fresh_vector_ttft(8102, "served", facts.hidden_size, args.ttft_repeats)
+    finally:
+        for proc in (stock, interp):
+            proc.terminate()
+            proc.wait(timeout=120)
+    print(f"{'condition':<10} " + " ".join(f"{m:>22}" for m in METRICS))
+    for condition, row in report["conditions"].items():
+        print(f"{condition:<10} " + " ".join(f"{row[m]['median']:>10.3f} {str(_fmt(row[m]['interval_95'])):>11}"
+                                             for m in METRICS))
+    print("interp / stock, median of paired ratios and its 95% interval; TTFT of a fresh vector (ms):",
+          json.dumps(report["fresh_vector_ttft"]))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def _fmt(interval_95) -> str:
+    return "-" if interval_95 is None else f"{interval_95[0]:.3f}-{interval_95[1]:.3f}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The engine client's ``generate`` with interp payloads: a request's compiled interventions (handed over by the
+HTTP middleware through ``CURRENT``) become its ``SamplingParams.extra_args`` payload once vLLM has rendered its
+prompt; the workers' results are read back when it finishes (``Collector``: one ``collective_rpc`` for all requests
+that finished meanwhile) and what an aborted request held is freed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..contracts import PAYLOAD_KEY, encode_payload
+from ..payload import unpack_results
+from .compile import Compiled
+
+REGISTER_VECTORS = "interp_register_vectors"
+COLLECT = "interp_collect"
+
+
+@dataclass
+class Call:
+    """One HTTP request's interventions and, once it finished, its workers' results."""
+
+    compiled: Compiled
+    prompts: int = 0  # engine requests made for it (one allowed)
+    result: dict | None = None
+    rid: str | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+CURRENT: contextvars.ContextVar[Call | None] = contextvars.ContextVar("interp_call", default=None)
+
+
+class Collector:
+    """Reads finished requests' results off the workers, all that finished since the last read in one call."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.waiting: dict[str, asyncio.Future | None] = {}
+        self.task: asyncio.Task | None = None
+
+    def collect(self, rid: str) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = future
+        self._kick()
+        return future
+
+    def release(self, rid: str) -> None:
+        """An aborted request: whatever it left on the workers is freed, nobody waits for it."""
+        self.waiting.setdefault(rid, None)
+        self._kick()
+
+    def _kick(self) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self.waiting:
+            batch, self.waiting = self.waiting, {}
+            try:
+                per_rank = await self.engine.collective_rpc(COLLECT, args=(list(batch), True, []))
+                results: dict = {}
+                for packed in per_rank:
+                    results.update(unpack_results(packed))
+            except Exception as err:  # the engine died: every waiter hears of it
+                for future in batch.values():
+                    if future is not None and not future.done():
+                        future.set_exception(err)
+                continue
+            for rid, future in batch.items():
+                if future is not None and not future.done():
+                    future.set_result(results.get(rid, {}))
+
+
+class InterpEngine:
+    """Installs the interp ``generate`` on vLLM's engine client (an instance attribute: vLLM's serving classes call
+    ``engine_client.generate``) and registers vectors on its workers."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.collector = Collector(engine)
+        self.registered: set[str] = set()
+        self._generate = engine.generate
+        engine.generate = self.generate
+
+    async def register(self, vectors: dict[str, np.ndarray]) -> None:
+        new = {k: np.asarray(v, dtype=np.float32).tobytes() for k, v in vectors.items() if k not in self.registered}
+        if new:
+            await self.engine.collective_rpc(REGISTER_VECTORS, args=(new,))
+            self.registered.update(new)
+
+    def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        call = CURRENT.get()
+        if call is None:
+            return self._generate(prompt, sampling_params, request_id, *args, **kwargs)
+        call.prompts += 1
+        if call.prompts > 1:
+            raise ValueError("interp: a request with an interp object takes one prompt and n = 1")
+        return self._run(call, prompt, sampling_params, request_id, args, kwargs)
+
+    async def _run(self, call: Call, prompt, sampling_params, request_id, args, kwargs):
+        token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if token_ids is None:
+            raise ValueError("interp: the prompt reached the engine without token ids")
+        rid = call.rid = f"serve-{uuid.uuid4().hex}"
+        payload, private = call.compiled.payload(rid, list(token_ids))
+        if payload is None:  # nothing to apply
+            outputs = self._generate(prompt, sampling_params, request_id, *args, **kwargs)
+            try:
+                async for out in outputs:
+                    yield out
+            finally:
+                await outputs.aclose()
+            call.done.set()
+            return
+        await self.register(call.compiled.vectors)
+        sampling_params.extra_args = {**(sampling_params.extra_args or {}), PAYLOAD_KEY: encode_payload(payload)}
+        if private:
+            sampling_params.skip_reading_prefix_cache = True
+        collected = False
+        outputs = self._generate(prompt, sampling_params, request_id, *args, **kwargs)
+        try:
+            async for out in outputs:
+                if out.finished:
+                    call.result = await self.collector.collect(rid)
+                    collected = True
+                    call.done.set()
+                yield out
+        finally:
+            await outputs.aclose()  # a client gone: vLLM aborts the request now, not when this is collected
+            if not collected:
+                self.collector.release(rid)
