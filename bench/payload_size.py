@@ -75,7 +75,7 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.v1.serial_utils import MsgpackEncoder
 
-    from interp_runner.packing import group_cells
+    from interp_runner.compile.packing import group_cells
 
     encoder = MsgpackEncoder()
     requests = plan.requests

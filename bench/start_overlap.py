@@ -32,10 +32,10 @@ def config_of(overrides: list[str]) -> dict:
 
 
 def one_run(mode: str, overrides: list[str], spec_file: Path) -> dict:
-    from interp_runner.engine import VllmEngine, on_gpu
+    from interp_runner.engine.adapter import VllmEngine, on_gpu
     from interp_runner.payload import EngineSpec
     from interp_runner.pipeline import prepare
-    from interp_runner.run_config import validate_config
+    from interp_runner.config.run import validate_config
 
     t0 = time.perf_counter()
     config = config_of(overrides)

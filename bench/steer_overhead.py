@@ -216,7 +216,7 @@ def build(kind: str, args, folder: Path, dummy: bool, spec):
         use_dummy_loader()
     if kind == "interp":
         from interp_runner.config.schema import EngineConfig
-        from interp_runner.engine import VllmEngine
+        from interp_runner.engine.adapter import VllmEngine
 
         engine = VllmEngine(str(folder), EngineConfig(**engine_settings(args)), spec)
         return engine.llm, engine

@@ -86,7 +86,7 @@ def concurrency_of(name: str) -> int | None:
 def synthetic_plan(shape: tuple[int, int, int, int], hook: str, dtype: str):
     """(plan, facts): every prompt position of every layer of ``hook`` captured, compiled from a config."""
     from interp_runner.kinds.prompts import KIND
-    from interp_runner.run_config import validate_config
+    from interp_runner.config.run import validate_config
     from interp_runner.models.facts import ModelFacts
 
     requests, positions, layers, hidden = shape
@@ -109,7 +109,7 @@ def synthetic_plan(shape: tuple[int, int, int, int], hook: str, dtype: str):
 
 def synthetic_results(plan, hidden: int, values: str, seed: int) -> dict:
     """Results by request id as ``VllmEngine.run`` returns them: per captured site, (positions, float32 values)."""
-    from interp_runner.engine import RequestResult
+    from interp_runner.engine.adapter import RequestResult
     from interp_runner.payload import unpack_positions
 
     rng = np.random.default_rng(seed)
@@ -276,7 +276,7 @@ def variant(name: str | None):
 def store_once(folder: Path, plan, results: dict, hidden: int, name: str | None = None, check: bool = False,
                profile: bool = False) -> dict:
     from interp_runner.kinds.prompts import KIND
-    from interp_runner.store import open_store, write_results
+    from interp_runner.store.writer import open_store, write_results
 
     path = folder / "results.zarr"
     shutil.rmtree(path, ignore_errors=True)

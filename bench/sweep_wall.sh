@@ -5,7 +5,7 @@
 #   bash bench/sweep_wall.sh OUT.json [override ...]      # default: SWEEP below
 #
 # `parallel`: hydra/launcher=parallel (joblib, n_jobs = the GPUs), each job process on its own GPU
-# (interp_runner.job_gpus), with its own engine. `one-gpu`: Hydra's basic launcher on the first GPU given, the jobs one after another in one
+# (interp_runner.engine.job_gpus), with its own engine. `one-gpu`: Hydra's basic launcher on the first GPU given, the jobs one after another in one
 # process on one engine (reused between jobs). Whole `python -m interp_runner` processes, start to end.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

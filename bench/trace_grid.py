@@ -189,7 +189,7 @@ def ours_grid(plan, results, num_layers: int, n: int):
     """[layers, tokens] restored answer log-probabilities, clean and corrupt ones, via ``trace_dataset``."""
     import numpy as np
 
-    from interp_runner.kinds.trace_grids import trace_dataset
+    from interp_runner.kinds.causal_trace.grids import trace_dataset
 
     ds = trace_dataset(plan, results)
     grid = ds["restored_logprob_samples"].values[0, 0, :, :n, 0].astype(np.float64)
@@ -199,7 +199,7 @@ def ours_grid(plan, results, num_layers: int, n: int):
 
 
 HOST_PARTS = (  # (file, function, what) for the host profile; cumulative seconds unless noted
-    ("engine.py", "_run_bulk", "our submit/read loop (self time)"),
+    ("adapter.py", "_run_bulk", "our submit/read loop (self time)"),
     ("core.py", "preprocess_add_request", "vLLM: request objects, block hashes"),
     ("scheduler.py", "schedule", "vLLM: scheduler"),
     ("scheduler.py", "update_from_output", "vLLM: scheduler output processing"),
@@ -212,7 +212,7 @@ HOST_PARTS = (  # (file, function, what) for the host profile; cumulative second
     ("gpu_model_runner.py", "sample_tokens", "vLLM: sampling"),
     ("gpu_model_runner.py", "get_output", "host waiting for the GPU"),
     ("gpu_model_runner.py", "synchronize_input_prep", "host waiting for the previous step's inputs"),
-    ("engine.py", "_collect", "our result collection"),
+    ("adapter.py", "_collect", "our result collection"),
     ("pipeline.py", "execute", "whole run"),
 )
 
@@ -323,8 +323,8 @@ class Timeline:
     """Host timestamps of one run's phases (``--timeline``): the named callables are wrapped while it runs."""
 
     def __init__(self, engine):
-        import interp_runner.engine as engine_module
-        import interp_runner.packing as packing
+        import interp_runner.engine.adapter as engine_module
+        import interp_runner.compile.packing as packing
 
         core = engine.llm.llm_engine.engine_core
         self.events: list[tuple[str, float, float]] = []
@@ -543,7 +543,7 @@ def main(argv=None) -> int:
     import transformers
     import vllm
 
-    from interp_runner.engine import VllmEngine
+    from interp_runner.engine.adapter import VllmEngine
     from interp_runner.payload import plugin_fingerprint
     from interp_runner.pipeline import load_tokenizer, prepare
 

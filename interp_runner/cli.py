@@ -20,10 +20,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from . import run_log
-from .cli_errors import COMMAND_LINE_ERRORS, explain
-from .config import ConfigError
-from .config.errors import EXIT_CODE
+from interp_runner import run_log
+from interp_runner.cli_errors import COMMAND_LINE_ERRORS, explain
+from interp_runner.config import ConfigError
+from interp_runner.config.errors import EXIT_CODE
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXPERIMENTS_DIR = str(Path(__file__).resolve().parent.parent / "experiments")
@@ -38,7 +38,7 @@ _verbose = False
 def _engine_pool():
     global _engines
     if _engines is None:
-        from .engine import EnginePool
+        from interp_runner.engine.adapter import EnginePool
 
         _engines = EnginePool()
     return _engines
@@ -46,7 +46,7 @@ def _engine_pool():
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _main(cfg: DictConfig) -> None:
-    from .pipeline import run
+    from interp_runner.pipeline import run
 
     hydra_cfg = HydraConfig.get()
     run_log.install(_verbose)  # after Hydra's logging set-up: its run-folder log gets the libraries' lines too
@@ -54,7 +54,7 @@ def _main(cfg: DictConfig) -> None:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     if multirun and not hydra_cfg.launcher._target_.endswith(".BasicLauncher"):
         # jobs in processes of their own: each takes its own GPUs before CUDA starts (``job_gpus``)
-        from .job_gpus import bind_job
+        from interp_runner.engine.job_gpus import bind_job
 
         tp = OmegaConf.select(cfg, "engine.tensor_parallel_size", default=1, throw_on_resolution_failure=False)
         gpus = bind_job(hydra_cfg.job.num, tp if isinstance(tp, int) and tp > 1 else 1)  # a bad tp: the config check's
@@ -73,13 +73,13 @@ def _main(cfg: DictConfig) -> None:
         status = "config_error"
     finally:
         if multirun:
-            from .report.sweep_index import write_index_page
-            from .sweep import record_job
+            from interp_runner.report.sweep_index import write_index_page
+            from interp_runner.sweep import record_job
 
             record_job(Path(hydra_cfg.sweep.dir), hydra_cfg.job.num, overrides, store, status,
                        on_recorded=write_index_page)
     if store is not None:
-        from .summary import print_summary
+        from interp_runner.summary import print_summary
 
         print_summary(store)
     if multirun and status == "config_error":

@@ -88,7 +88,7 @@ class ReuseKv(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_field
 
 
 class Cells(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    """The cells of a packed request (``interp_runner.packing``): after ``prefix`` shared positions, cell ``k``'s
+    """The cells of a packed request (``interp_runner.compile.packing``): after ``prefix`` shared positions, cell ``k``'s
     segment holds prompt positions ``prefix .. prefix + length - 1`` at ``prefix + k * stride``."""
 
     rids: tuple[str, ...]  # each cell's request id

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .contracts import PluginSpec, spec_config
+from interp_runner.contracts import PluginSpec, spec_config
 
 REF_PREFIX = "ref:"
 

@@ -16,28 +16,30 @@ from pathlib import Path
 
 import xarray as xr
 
-from . import provenance, run_log
-from .config import ConfigError
-from .config.schema import resolve_path
-from .engine import EngineError, EnginePool, on_gpu, one_token_no_text
-from .engine_rules import check_engine, check_plan_values
-from .figure_workers import FigureWorkers
-from .kinds import kind_for
-from .kinds.base import Kind
-from .models import seeded
-from .models.facts import ModelFacts, UnsupportedModel, embedding_rows
-from .models.hook_check import check_config_hooks, check_plan_hooks
-from .models.layouts import layout_for
-from .models.materialize import model_path
-from .plan import Plan
-from .progress import StageProgress, on_terminal
-from .report import write_report
-from .request_build import EngineRequest
-from .result_flags import NONFINITE_ATTR, flagged_attrs, propagate
-from .run_config import RunConfig, validate_config
-from .store import STATUS_COMPLETE, mark, write_results
-from .store_claim import claim_store
-from .tokens import TextTokenizer, TokenizerError
+from interp_runner import run_log
+
+from interp_runner.store import provenance
+from interp_runner.config import ConfigError
+from interp_runner.config.schema import resolve_path
+from interp_runner.engine.adapter import EngineError, EnginePool, on_gpu, one_token_no_text
+from interp_runner.engine.rules import check_engine, check_plan_values
+from interp_runner.kinds.figure_workers import FigureWorkers
+from interp_runner.kinds import kind_for
+from interp_runner.kinds.base import Kind
+from interp_runner.models import seeded
+from interp_runner.models.facts import ModelFacts, UnsupportedModel, embedding_rows
+from interp_runner.models.hook_check import check_config_hooks, check_plan_hooks
+from interp_runner.models.layouts import layout_for
+from interp_runner.models.materialize import model_path
+from interp_runner.compile.plan import Plan
+from interp_runner.progress import StageProgress, on_terminal
+from interp_runner.report import write_report
+from interp_runner.compile.requests import EngineRequest
+from interp_runner.store.result_flags import NONFINITE_ATTR, flagged_attrs, propagate
+from interp_runner.config.run import RunConfig, validate_config
+from interp_runner.store.writer import STATUS_COMPLETE, mark, write_results
+from interp_runner.store.claim import claim_store
+from interp_runner.compile.tokens import TextTokenizer, TokenizerError
 
 
 @dataclass

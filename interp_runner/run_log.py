@@ -1,5 +1,5 @@
 """A quiet console and a kept log: vLLM's, torch's and transformers' log lines go to the run's log file beside the
-store (``<store name>.log``, a companion like its report: ``interp_runner.store_claim``) and to Hydra's run-folder
+store (``<store name>.log``, a companion like its report: ``interp_runner.store.claim``) and to Hydra's run-folder
 log; the console shows the runner's own lines, the library warnings a user must know of (said in the runner's words,
 ``NOTABLE``) and library errors. ``interp-run -v`` shows every library line on the console too.
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import xarray as xr
 
-from .kinds import kind_of_store
-from .result_flags import nonfinite_lines
-from .store_claim import StoreTarget
+from interp_runner.kinds import kind_of_store
+from interp_runner.store.result_flags import nonfinite_lines
+from interp_runner.store.claim import StoreTarget
 
 
 def print_summary(store: Path) -> None:

@@ -44,7 +44,7 @@ def _no_engine_unless_marked(item):
         return
     engines = ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))
     assert not engines, f"{item.nodeid} uses {sorted(engines)}: mark it @pytest.mark.engine"
-    from interp_runner import engine
+    from interp_runner.engine import adapter as engine
 
     def refused():
         raise AssertionError(f"{item.nodeid} starts a vLLM engine: mark it @pytest.mark.engine")
@@ -116,7 +116,7 @@ def every_site(num_layers: int) -> tuple[int, ...]:
 def build_engine(path: Path, steer_sites, capture_sites, patch_sites=(), bank_rows=0, kv_rows=0, kv_runs=0,
                  **engine):
     from interp_runner.config.schema import EngineConfig
-    from interp_runner.engine import VllmEngine
+    from interp_runner.engine.adapter import VllmEngine
     from interp_runner.payload import EngineSpec
 
     settings = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 16, **engine}

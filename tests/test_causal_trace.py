@@ -10,8 +10,8 @@ import torch
 
 from support import hf_oracle
 from conftest import REPO, run_plan
-from interp_runner.kinds.trace_grids import ROLES, trace_dataset
-from interp_runner.kinds.trace_plan import corrupt_rid
+from interp_runner.kinds.causal_trace.grids import ROLES, trace_dataset
+from interp_runner.kinds.causal_trace.plan import corrupt_rid
 from interp_runner.config import ConfigError
 from interp_runner.pipeline import prepare
 from interp_runner.sites import site_id
@@ -137,7 +137,7 @@ def test_runs_keep_exactly_the_values_cells_read(pack, stride):
 def test_a_voided_cell_is_listed_and_never_in_the_grid():
     """A cell the workers voided (a source missing) still ran and has a score, of an unpatched run: the grid
     leaves it out and the store lists it."""
-    from interp_runner.engine import RequestResult
+    from interp_runner.engine.adapter import RequestResult
 
     plan = prepare(trace_config("tiny_random", components=["resid"], layers=[0], noise={"samples": 1}, filter=False,
                                 num_facts=1)).plan
@@ -362,9 +362,9 @@ def test_counterfactual_store_names_the_clean_and_the_corrupt_prompt(tmp_path, s
     restores (aligned by hand: the common prefix by identity, the common suffix by the length difference)."""
     from transformers import AutoTokenizer
 
-    from interp_runner.engine import RequestResult
-    from interp_runner.kinds.causal_trace import KIND
-    from interp_runner.kinds.trace_figures import token_axis_label, trace_heatmap
+    from interp_runner.engine.adapter import RequestResult
+    from interp_runner.kinds.causal_trace.kind import KIND
+    from interp_runner.kinds.causal_trace.figures import token_axis_label, trace_heatmap
 
     clean_text, corrupt_text = "The Eiffel Tower is located in the city of", "The Great Wall is located in the city of"
     fact = {"id": "eiffel", "subject": "The Eiffel Tower", "prompt": clean_text, "answer": " Paris",
@@ -472,7 +472,7 @@ def long_fact(tmp_path, repeats: int) -> str:
 
 def test_cells_pack_into_block_aligned_segments_after_their_shared_prefix(tmp_path):
     from interp_runner.contracts import PAYLOAD_KEY, decode_payload
-    from interp_runner.packing import pack_requests
+    from interp_runner.compile.packing import pack_requests
 
     plan = prepare(trace_config("tiny_random", components=["resid"], layers=[1], noise={"samples": 1}, filter=False,
                                 num_facts=1, facts=long_fact(tmp_path, 18))).plan

@@ -18,10 +18,10 @@ from interp_runner.kinds import kind_for
 from interp_runner.models.facts import ModelFacts
 from interp_runner.payload import unpack_positions, vector_key
 from interp_runner.pipeline import load_tokenizer, prepare
-from interp_runner.run_config import validate_config
-from interp_runner.selectors import parse_layers, parse_prompts
+from interp_runner.config.run import validate_config
+from interp_runner.compile.selectors import parse_layers, parse_prompts
 from interp_runner.sites import HOOKS, site_id
-from interp_runner.vectors import random_direction
+from interp_runner.vectors.load import random_direction
 
 HIDDEN = 128
 LAYERS = 4

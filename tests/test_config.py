@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from conftest import REPO, base_config
 from interp_runner.config import ConfigError
 from interp_runner.pipeline import prepare
-from interp_runner.run_config import validate_config
+from interp_runner.config.run import validate_config
 from support.inprocess import Completed, interp_run
 
 HIDDEN = 128  # tiny_random

@@ -47,7 +47,7 @@ def test_a_payload_survives_msgpack_and_vllms_transport_field_for_field():
     from vllm import SamplingParams
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from interp_runner.request_build import transported
+    from interp_runner.compile.requests import transported
 
     payload = every_field()
     assert decode_payload(encode_payload(payload)) == payload
@@ -126,7 +126,8 @@ def test_the_plugin_spec_round_trips_through_additional_config_and_refuses_unkno
 def test_host_and_plugin_use_the_one_definition_of_each_record():
     """Each record class is defined in ``contracts`` alone, and the modules of both sides that read or write it
     hold that very class; ``contracts`` imports neither torch nor vLLM (the plugin loads it on every worker)."""
-    from interp_runner import packing, request_build
+    from interp_runner.compile import packing
+    from interp_runner.compile import requests as request_build
     from interp_runner.plugin import bank, capture, kept_kv, patches, runner_view, runtime, sequences, steering
 
     records = {name for name, value in vars(contracts).items() if isinstance(value, type)

@@ -20,7 +20,7 @@ from zarr.codecs.numcodecs import Delta
 
 from conftest import base_config
 from interp_runner.config import ConfigError
-from interp_runner.control_vectors import ControlVectorError, export_vectors, gguf_directions, write_gguf
+from interp_runner.vectors.control import ControlVectorError, export_vectors, gguf_directions, write_gguf
 from interp_runner.pipeline import prepare
 
 HIDDEN = 128  # tiny_random: a LlamaForCausalLM of 4 layers

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from interp_runner import engine as engine_module
-from interp_runner.engine import VllmEngine
+from interp_runner.engine import adapter as engine_module
+from interp_runner.engine.adapter import VllmEngine
 
 
 def in_process_engine(shutdowns: list) -> VllmEngine:

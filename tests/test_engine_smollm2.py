@@ -9,7 +9,7 @@ import torch
 from support import hf_oracle
 from conftest import ALL_HOOKS, base_config, rel_err, run_config
 from interp_runner.sites import site_id
-from interp_runner.vectors import random_direction
+from interp_runner.vectors.load import random_direction
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import torch
 from support import hf_oracle
 from conftest import ALL_HOOKS, MODEL_RUNNERS, base_config, engine_at_every_site, rel_err, run_config
 from interp_runner.sites import site_id
-from interp_runner.vectors import random_direction
+from interp_runner.vectors.load import random_direction
 
 pytestmark = pytest.mark.engine
 
@@ -198,7 +198,7 @@ def test_captures_that_overflow_the_capture_buffer_come_back_the_same(runner_eng
 
 def test_ranks_that_applied_different_interventions_fail_the_run(runner_engine):
     tiny_engine = runner_engine
-    from interp_runner.engine import EngineError, VllmEngine
+    from interp_runner.engine.adapter import EngineError, VllmEngine
 
     steering = {"global": {"base": {"post_block": {"layer": 1, "vector": vector(5)}}}}
     before = tiny_engine.check_ranks()[0]
@@ -227,7 +227,7 @@ def test_teacher_forcing_generates_the_given_tokens_with_the_model_log_probabili
     import zarr
 
     from interp_runner.config.schema import EngineConfig
-    from interp_runner.engine import VllmEngine
+    from interp_runner.engine.adapter import VllmEngine
     from interp_runner.pipeline import execute, prepare
 
     prompts = PROMPTS[:2]

@@ -13,13 +13,13 @@ import torch
 from support import hf_gpt_moe_oracle as family_oracle
 from conftest import BANK_ROWS, KV_ROWS, KV_RUNS, REPO, base_config, build_engine, rel_err, run_config, run_plan
 from interp_runner.config import ConfigError
-from interp_runner.kinds.trace_grids import trace_dataset
+from interp_runner.kinds.causal_trace.grids import trace_dataset
 from interp_runner.models.facts import ModelFacts, UnsupportedModel
 from interp_runner.models.layouts import layout_for
 from interp_runner.models.materialize import model_path
 from interp_runner.pipeline import prepare
 from interp_runner.sites import site_id
-from interp_runner.vectors import random_direction
+from interp_runner.vectors.load import random_direction
 
 FAMILIES = ("tiny_gpt2", "tiny_pythia", "tiny_qwen3_moe")
 PROMPTS = ["The Eiffel Tower is located in the city of", "Hello, my name is", "1 2 3 4 5", "def main():"]

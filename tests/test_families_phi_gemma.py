@@ -13,10 +13,10 @@ import torch
 from support import hf_sandwich_oracle as oracle
 from conftest import ALL_HOOKS, BANK_ROWS, KV_ROWS, KV_RUNS, REPO, base_config, build_engine, every_site, rel_err
 from conftest import run_config, run_plan
-from interp_runner.kinds.trace_grids import trace_dataset
+from interp_runner.kinds.causal_trace.grids import trace_dataset
 from interp_runner.models.materialize import model_path
 from interp_runner.sites import site_id
-from interp_runner.vectors import random_direction
+from interp_runner.vectors.load import random_direction
 
 pytestmark = pytest.mark.engine
 

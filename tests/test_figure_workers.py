@@ -5,8 +5,8 @@ from __future__ import annotations
 import xarray as xr
 
 from conftest import REPO
-from interp_runner.figure_workers import FigureWorkers, worker_count
-from interp_runner.kinds.trace_figures import write_figures
+from interp_runner.kinds.figure_workers import FigureWorkers, worker_count
+from interp_runner.kinds.causal_trace.figures import write_figures
 
 GOLDEN = REPO / "experiments" / "golden" / "causal_trace.zarr"
 

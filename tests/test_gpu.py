@@ -25,7 +25,7 @@ import torch
 from support import hf_oracle
 from conftest import build_engine, every_site, rel_err, run_config
 from interp_runner.sites import site_id
-from interp_runner.vectors import random_direction
+from interp_runner.vectors.load import random_direction
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import pytest
 from support import hf_oracle
 from conftest import build_engine
 from interp_runner.sites import site_id
-from interp_runner.vectors import random_direction
+from interp_runner.vectors.load import random_direction
 from test_gpu import HIDDEN, LAYERS, config, fixed_shape_run, record_steps, vec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Sweep jobs in processes of their own each take their own GPUs (``interp_runner.job_gpus``), and a `-m` sweep
+"""Sweep jobs in processes of their own each take their own GPUs (``interp_runner.engine.job_gpus``), and a `-m` sweep
 through the joblib launcher (``hydra/launcher=parallel``) runs with every job's store complete."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from test_cli import interp_run
 CLAIM = """
 import sys, time
 from pathlib import Path
-from interp_runner.job_gpus import bind_job
+from interp_runner.engine.job_gpus import bind_job
 print(",".join(bind_job(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))), flush=True)
 time.sleep(float(sys.argv[4]))  # holds its group meanwhile
 """
@@ -49,7 +49,7 @@ def test_concurrent_job_processes_never_share_a_group(tmp_path):
 
 
 def test_fewer_than_two_groups_leave_the_job_as_it_is(tmp_path, monkeypatch):
-    import interp_runner.job_gpus as job_gpus
+    import interp_runner.engine.job_gpus as job_gpus
 
     monkeypatch.setattr(job_gpus, "_bound", None)
     for visible, per_job in (("0", 1), ("0,1", 2), ("", 1)):

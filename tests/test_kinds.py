@@ -15,13 +15,13 @@ from conftest import REPO, FakeEngineBase, base_config
 from interp_runner.config import ConfigError
 from interp_runner.config.schema import Sampling
 from interp_runner.contracts import DECODE, PREFILL, Capture, Steer
-from interp_runner.engine import RequestResult
-from interp_runner.journal import Journal
+from interp_runner.engine.adapter import RequestResult
+from interp_runner.store.journal import Journal
 from interp_runner.kinds import DEFAULT, KINDS, kind_for, kind_of_store
 from interp_runner.pipeline import execute, prepare
-from interp_runner.plan import Plan
-from interp_runner.request_build import Prompt, engine_spec_of, make_request
-from interp_runner.run_config import RunConfig, validate_config
+from interp_runner.compile.plan import Plan
+from interp_runner.compile.requests import Prompt, engine_spec_of, make_request
+from interp_runner.config.run import RunConfig, validate_config
 from interp_runner.sites import site_id
 
 GOLDEN = REPO / "experiments" / "golden"

@@ -27,7 +27,7 @@ def test_a_bad_model_runner_is_refused_naming_the_key(bad):
 
 
 def test_the_engine_forces_a_runner_or_leaves_vllm_its_own_pick(monkeypatch):
-    from interp_runner import engine
+    from interp_runner.engine import adapter as engine
 
     monkeypatch.setattr(engine, "_caller_runner_env", None)
     monkeypatch.setenv(engine.RUNNER_ENV, "0")  # as an earlier engine of this process left it
@@ -61,7 +61,7 @@ def test_steering_capture_patching_and_scores_are_the_same_under_v1_and_v2(tiny_
     import numpy as np
 
     from conftest import run_plan
-    from interp_runner.vectors import random_direction
+    from interp_runner.vectors.load import random_direction
 
     assert (tiny_engine.model_runner, tiny_engine_v2.model_runner) == ("v1", "v2")
     items = [{"text": t, "answer": " Paris", "foil": " Rome"}

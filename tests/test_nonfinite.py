@@ -21,10 +21,11 @@ from support import hf_oracle
 from conftest import base_config, run_config, run_plan
 from interp_runner.config import ConfigError
 from interp_runner.kinds.prompts import KIND as PROMPTS
-from interp_runner.kinds.steering_vectors import KIND as VECTORS
+from interp_runner.kinds.steering_vectors.kind import KIND as VECTORS
 from interp_runner.pipeline import prepare
-from interp_runner.result_flags import FLOAT32_MAX, flagged_attrs, nonfinite_lines
-from interp_runner.vectors import random_direction
+from interp_runner.compile.overflow import FLOAT32_MAX
+from interp_runner.store.result_flags import flagged_attrs, nonfinite_lines
+from interp_runner.vectors.load import random_direction
 
 HIDDEN, LAYERS = 128, 4
 ITEMS = [{"text": "The Eiffel Tower is located in the city of", "answer": " Paris", "foil": " Rome"},
@@ -268,7 +269,7 @@ def test_cells_packed_after_an_overflowing_corruption_are_flagged_and_never_in_t
     restoring a token at or before the subject compute noised rows and are flagged by the engine; the others, and the
     in-batch corrupted run, read the corrupted run's kept KV or its prefix-cache blocks, and are flagged as its
     readers (``result_flags.propagate``)."""
-    from interp_runner.kinds.trace_grids import trace_dataset
+    from interp_runner.kinds.causal_trace.grids import trace_dataset
     from test_causal_trace import long_fact, run_packed, trace_config
 
     config = trace_config("tiny_random", components=["resid", "mlp"], layers=[0, 3], window=1,
@@ -290,7 +291,7 @@ def test_cells_packed_after_an_overflowing_corruption_are_flagged_and_never_in_t
 
 @pytest.mark.engine
 def test_the_store_summary_and_report_of_a_run_say_which_requests_were_flagged(tiny_engine, tmp_path, capsys):
-    from interp_runner.engine import EnginePool
+    from interp_runner.engine.adapter import EnginePool
     from interp_runner.pipeline import run
     from interp_runner.summary import print_summary
 

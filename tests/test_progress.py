@@ -11,7 +11,7 @@ import zarr
 
 from conftest import REPO
 from support import inprocess
-from interp_runner.engine_startup import StartupPhases, describe
+from interp_runner.engine.startup import StartupPhases, describe
 from interp_runner.progress import StageProgress
 
 TRACE = (

@@ -14,7 +14,7 @@ import zarr
 from interp_runner import pipeline
 from interp_runner.config import ConfigError
 from interp_runner.pipeline import run
-from interp_runner.store_claim import StoreTarget
+from interp_runner.store.claim import StoreTarget
 from test_report import read_page
 from test_report_views import header
 from test_store import store_config

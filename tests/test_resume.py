@@ -16,7 +16,7 @@ import xarray as xr
 import zarr
 
 from conftest import REPO
-from interp_runner.store_claim import StoreTarget
+from interp_runner.store.claim import StoreTarget
 from support.inprocess import interp_run
 
 pytestmark = pytest.mark.engine

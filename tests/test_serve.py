@@ -304,7 +304,7 @@ def _npy(vec) -> str:
 def test_vector_uploads(server, client, tmp_path):
     from safetensors.numpy import save
 
-    from interp_runner.control_vectors import write_gguf
+    from interp_runner.vectors.control import write_gguf
 
     write_gguf(tmp_path / "cv.gguf", {1: np.full(HIDDEN, 0.25, np.float32), 2: np.zeros(HIDDEN, np.float32)}, "llama")
     uploads = {

@@ -13,11 +13,11 @@ from support import hf_oracle
 from conftest import REPO, Borrowed, run_plan
 from interp_runner.config import ConfigError
 from interp_runner.contracts import DECODE, PREFILL
-from interp_runner.engine import RequestResult
-from interp_runner.kinds.steering_vectors import KIND
+from interp_runner.engine.adapter import RequestResult
+from interp_runner.kinds.steering_vectors.kind import KIND
 from interp_runner.pipeline import prepare
 from interp_runner.sites import site_id
-from interp_runner.vector_methods import DegenerateDirection, derive, mean_diff, pair_projections, pca
+from interp_runner.vectors.methods import DegenerateDirection, derive, mean_diff, pair_projections, pca
 
 # -- the methods ------------------------------------------------------------------------------------------
 
@@ -237,7 +237,7 @@ def test_store_marks_degenerate_vectors_and_signs_pca_by_the_mean_difference(tmp
     """Captures made here: at pre_attn L0 the pairs differ by 1e-7 of activations of norm about 10 (no direction);
     at post_block L1 17 of 24 pairs differ by +1 along an axis and 7 by -9 (the mean points down, most pairs up);
     elsewhere every pair differs along one direction. Checked against numpy by hand."""
-    from interp_runner.control_vectors import export_vectors
+    from interp_runner.vectors.control import export_vectors
 
     config = sv_config(hooks=["pre_attn", "post_block"], layers=[0, 1, 2],
                        eval={"layers": [0, 1], "scales": [1.0]})
@@ -328,7 +328,7 @@ def test_a_run_flags_degenerate_vectors_and_never_exports_or_reads_them(tiny_eng
 
     from conftest import base_config
     from interp_runner.pipeline import run
-    from interp_runner.store_claim import StoreTarget
+    from interp_runner.store.claim import StoreTarget
 
     store = tmp_path / "sv.zarr"
     rows = [{"positive": a, "negative": b} for a, b in SAME_LAST_TOKEN]

@@ -12,12 +12,12 @@ import xarray as xr
 import zarr
 
 from conftest import FakeEngineBase, base_config
-from interp_runner import provenance
-from interp_runner.engine import RequestResult
+from interp_runner.store import provenance
+from interp_runner.engine.adapter import RequestResult
 from interp_runner.kinds.prompts import KIND as PROMPTS
 from interp_runner.pipeline import prepare, run
 from interp_runner.sites import site_id
-from interp_runner.store import (
+from interp_runner.store.writer import (
     STATUS_COMPLETE,
     STATUS_FAILED,
     STATUS_RUNNING,
@@ -25,7 +25,7 @@ from interp_runner.store import (
     open_store,
     write_results,
 )
-from interp_runner.store_claim import StoreTarget
+from interp_runner.store.claim import StoreTarget
 
 HIDDEN = 128
 HOOKS = ["mlp_out", "post_block"]
@@ -33,7 +33,7 @@ LAYERS = [1, 3]
 NUM_GENERATED = [4, 2, 3]  # per prompt; prompt 2 is not captured by "acts"
 TOP_K = 3
 
-# every key the manifest documents (interp_runner/provenance.py and README "The store")
+# every key the manifest documents (interp_runner/store/provenance.py and README "The store")
 MANIFEST_KEYS = {
     "config_yaml", "config_sha256", "command", "overrides", "experiment", "package", "versions", "model",
     "seeds", "requests_sha256", "plugin", "host", "started_at", "run_key", "experiments_dir",

@@ -27,11 +27,11 @@ import zarr
 
 from conftest import REPO, FakeEngineBase, base_config, has_cuda
 from interp_runner.config import ConfigError
-from interp_runner.engine import RequestResult
-from interp_runner.journal import INDEX, Journal
+from interp_runner.engine.adapter import RequestResult
+from interp_runner.store.journal import INDEX, Journal
 from interp_runner.pipeline import prepare, run
-from interp_runner.store_claim import StoreTarget
-from interp_runner.store_lock import StoreLock
+from interp_runner.store.claim import StoreTarget
+from interp_runner.store.lock import StoreLock
 from support.inprocess import interp_run as in_process
 from test_cli import interp_run
 from test_store import fake_results, store_config
@@ -267,7 +267,7 @@ def test_two_runs_into_one_store_path(tmp_path, area):
 def test_the_stale_lock_of_a_killed_process_is_broken(tmp_path, area):
     target = area / "results.zarr"
     lock_file = StoreTarget.at(target).lock_file
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from interp_runner.store_lock import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from interp_runner.store.lock import "
                                "StoreLock; StoreLock(sys.argv[1]).acquire(); time.sleep(600)", str(lock_file)])
     deadline = time.time() + 120
     while time.time() < deadline and not (lock_file.exists() and lock_file.read_bytes()):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from test_causal_trace import FACTS, hf_trace, run_packed, trace_config
-from interp_runner.kinds.trace_grids import trace_dataset
+from interp_runner.kinds.causal_trace.grids import trace_dataset
 
 
 def subject_tokens(tokenizer, prompt: str, subject: str) -> list[int]:

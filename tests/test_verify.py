@@ -24,7 +24,7 @@ import zarr
 
 from conftest import REPO
 from interp_runner import verify
-from interp_runner.kernel_path import CPU_KERNEL_KEYS
+from interp_runner.engine.kernel_path import CPU_KERNEL_KEYS
 from interp_runner.verify import EXIT_ERROR, EXIT_MATCH, EXIT_MISMATCH, main
 from support.inprocess import Completed, interp_run, interp_verify
 
@@ -246,7 +246,7 @@ def test_corrupted_chunk_exits_2_naming_the_array(store, tmp_path, capsys, monke
 
 def test_rerun_reads_experiment_data_from_this_checkout(tmp_path):
     """A store made in another checkout (a golden store in CI) reruns with this checkout's experiments/ folder."""
-    from interp_runner.provenance import EXPERIMENTS_DIR
+    from interp_runner.store.provenance import EXPERIMENTS_DIR
 
     elsewhere = copy(REPO / "experiments" / "golden" / "causal_trace.zarr", tmp_path)
     attrs = dict(zarr.open_group(str(elsewhere), mode="r").attrs)
@@ -484,7 +484,7 @@ def test_batch_invariant_is_refused_on_cpu(tiny_path):
     """A config error (the CLI exits 2) before vLLM is even imported."""
     from interp_runner.config import ConfigError
     from interp_runner.config.schema import EngineConfig
-    from interp_runner.engine import VllmEngine
+    from interp_runner.engine.adapter import VllmEngine
     from interp_runner.payload import EngineSpec
 
     with pytest.raises(ConfigError) as err:
@@ -494,7 +494,7 @@ def test_batch_invariant_is_refused_on_cpu(tiny_path):
 
 
 def test_batch_invariant_mode_cannot_change_within_a_process(monkeypatch):
-    from interp_runner import engine
+    from interp_runner.engine import adapter as engine
 
     monkeypatch.setattr(engine, "on_gpu", lambda: True)
     monkeypatch.setattr(engine, "_batch_invariant_in_process", None)

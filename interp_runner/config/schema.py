@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..sites import HOOKS, RESIDUAL_HOOKS
+from interp_runner.sites import HOOKS, RESIDUAL_HOOKS
 
 Hook = Literal[HOOKS]
 ResidualHook = Literal[tuple(h for h in HOOKS if h in RESIDUAL_HOOKS)]
@@ -351,7 +351,7 @@ class ExperimentMeta(Strict):
 
 class RunBase(Strict):
     """The keys of every run config: the prompts kind's (prompts, steering, capture, patching, ...) and the run's own.
-    The run config (``interp_runner.run_config.RunConfig``) adds one optional section per registered experiment
+    The run config (``interp_runner.config.run.RunConfig``) adds one optional section per registered experiment
     kind (``interp_runner.kinds``)."""
 
     experiment: ExperimentMeta = ExperimentMeta()

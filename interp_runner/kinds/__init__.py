@@ -1,7 +1,8 @@
-"""The experiment kinds, registered once: a kind is one module here (its ``KIND``, see ``base.Kind``) plus its
+"""The experiment kinds, registered once: a kind is one module or subpackage here (its ``KIND``, see ``base.Kind``) plus its
 ``conf/experiment/*.yaml``. Pipeline, store, summary, verify and the report find a run's kind here and call only
 its interface: ``kind_for`` a config (the kind whose section it sets, else the prompts kind), ``kind_of_store``
 a finished store (its manifest's ``kind``; stores written before kinds were recorded: their config's).
+Imports compile/, store/, vectors/, models/ and config/; never engine/ or report/.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import importlib
 
 import yaml
 
-from .base import Kind
+from interp_runner.kinds.base import Kind
 
 # one entry per kind module; the first is the default kind, which has no section of its own
 MODULES = ("prompts", "causal_trace", "steering_vectors")

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import xarray as xr
     from pydantic import BaseModel
 
-    from ..figure_workers import FigureWorkers
+    from interp_runner.kinds.figure_workers import FigureWorkers
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Kind(Protocol):
     section: str | None  # the run config key holding its settings; None for the default kind
     settings: type[BaseModel] | None  # the pydantic model of that section
     # the prompts kind's keys (dotted: "steering", "prompts.items") its section cannot be combined with -> why ("" for
-    # no reason given); a section is never combined with another kind's (``interp_runner.run_config``)
+    # no reason given); a section is never combined with another kind's (``interp_runner.config.run``)
     excludes: dict[str, str]
 
     def compile(self, cfg, facts, tokenizer, base: Path | None, embeddings) -> Any:

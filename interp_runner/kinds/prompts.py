@@ -22,7 +22,7 @@ the patched copies and in-batch baselines (``role``, ``prompt_index``, ``patch``
 ``voided``.
 
 ``nonfinite`` (request, bool): the request was computed through a non-finite value (its residual stream overflowed
-the final norm's float32 sum of squares, or its scored logits were not finite: ``interp_runner.result_flags``); its
+the final norm's float32 sum of squares, or its scored logits were not finite: ``interp_runner.store.result_flags``); its
 ``status`` is "nonfinite" and every number computed from it (``logprob``, ``top_logprob``, scores, captures, and
 ``recovered`` of a patched request that depends on it) is NaN.
 """
@@ -35,16 +35,16 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from ..config.schema import RunBase, Span, resolve_path
-from ..forcing import force_generations
-from ..models.facts import ModelFacts
-from ..patching import compile_patching
-from ..plan import Plan, bank_rows_for
-from ..prompt_set import check_length, check_vocabulary, load_prompts, prompt_rid, require_plain_prompts
-from ..request_build import Patch, engine_spec_of, make_request, mark_private_kv, requests_hash
-from ..result_arrays import capture_arrays, padded, score_arrays, strings, value_kind
-from ..steer_build import compile_capture, compile_steering, load_named_vectors
-from .base import Headline, Section, Table
+from interp_runner.config.schema import RunBase, Span, resolve_path
+from interp_runner.compile.forcing import force_generations
+from interp_runner.models.facts import ModelFacts
+from interp_runner.compile.patching import compile_patching
+from interp_runner.compile.plan import Plan, bank_rows_for
+from interp_runner.compile.prompt_set import check_length, check_vocabulary, load_prompts, prompt_rid, require_plain_prompts
+from interp_runner.compile.requests import Patch, engine_spec_of, make_request, mark_private_kv, requests_hash
+from interp_runner.store.result_arrays import capture_arrays, padded, score_arrays, strings, value_kind
+from interp_runner.compile.steering import compile_capture, compile_steering, load_named_vectors
+from interp_runner.kinds.base import Headline, Section, Table
 
 SUMMARY_ROWS = 8  # requests listed in the summary
 

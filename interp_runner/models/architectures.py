@@ -5,7 +5,7 @@
 writes, which ``cvector-generator`` copies into a control vector's ``controlvector.model_hint``).
 """
 
-from .layouts import BY_ARCHITECTURE
+from interp_runner.models.layouts import BY_ARCHITECTURE
 
 DECODER_LAYERS = {arch: layout.decoder_layer for arch, layout in BY_ARCHITECTURE.items()}
 LLAMA_CPP_ARCH = {arch: layout.llama_cpp_arch for arch, layout in BY_ARCHITECTURE.items()}

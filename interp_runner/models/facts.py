@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import seeded
-from .layouts import UnsupportedArchitecture, layout_for
+from interp_runner.models import seeded
+from interp_runner.models.layouts import UnsupportedArchitecture, layout_for
 
 # config.json keys vLLM reads a model's longest sequence from (the smallest of those present counts)
 MAX_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
@@ -30,7 +30,7 @@ class ModelFacts:
     hidden_size: int
     vocab_size: int
     weights_sha256: str
-    # what vLLM's own checks need (``interp_runner.engine_rules``)
+    # what vLLM's own checks need (``interp_runner.engine.rules``)
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from ..components import COMPONENTS
-from ..config.errors import ConfigError
-from ..sites import HOOKS, site_of
-from .layouts import BlockLayout
+from interp_runner.components import COMPONENTS
+from interp_runner.config.errors import ConfigError
+from interp_runner.sites import HOOKS, site_of
+from interp_runner.models.layouts import BlockLayout
 
 HOOK_KEYS = ("hook", "hooks", "resid_hook", "eval_hook")
 # a vector read from a store names the hook it was derived at (another model's, possibly), not where it acts

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..sites import HOOKS
+from interp_runner.sites import HOOKS
 
 
 @dataclass(frozen=True)

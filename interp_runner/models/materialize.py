@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from filelock import FileLock
 
-from . import tiny_families, tiny_gpt_moe, tiny_random
+from interp_runner.models import tiny_families, tiny_gpt_moe, tiny_random
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # modules of tiny random models of other families: each with FAMILIES (name -> family), WEIGHTS_SHA256 (name ->

@@ -152,7 +152,7 @@ def write_config_folder(out: Path, config: dict, tokenizer_dir: Path, tokenizer_
 def llama70b_folder(out: Path, num_layers: int = LLAMA3_70B["num_hidden_layers"]) -> Path:
     """Llama-3-70B's shape (``num_layers`` of its layers) with SmolLM2's tokenizer (49,152 ids inside the
     128,256-row vocabulary), for seeded weights."""
-    from .materialize import TOKENIZER_FILES, model_path
+    from interp_runner.models.materialize import TOKENIZER_FILES, model_path
 
     return write_config_folder(out, {**LLAMA3_70B, "num_hidden_layers": num_layers}, model_path("smollm2_135m"),
                                TOKENIZER_FILES)

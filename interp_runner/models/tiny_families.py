@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .tiny_random import _uniform, write_safetensors
+from interp_runner.models.tiny_random import _uniform, write_safetensors
 
 PROBES = ("The Eiffel Tower is located in the city of", "Hello, my name is", "1 2 3 4", "def main():",
           "Once upon a time", "The capital of France is")

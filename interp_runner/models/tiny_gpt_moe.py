@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .tiny_random import _uniform, write_safetensors
+from interp_runner.models.tiny_random import _uniform, write_safetensors
 
 SEED = 0
 HIDDEN, LAYERS, HEADS, HEAD_DIM = 128, 4, 4, 32

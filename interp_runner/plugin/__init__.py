@@ -3,6 +3,8 @@
 vLLM calls ``register()`` in every one of its processes. It does nothing unless the process was started by
 interp-runner with interp ops enabled (``INTERP_RUNNER_PLUGIN=1``), so other engines in the same environment
 are left untouched. Even then, only engines whose ``additional_config`` carries an interp spec are instrumented.
+
+Imports models/ (block layouts) and the shared records (contracts, payload, sites) only: never the host's packages.
 """
 
 import os
@@ -15,7 +17,7 @@ def register() -> None:
     global _registered
     if _registered or os.environ.get(ENABLE_ENV) != "1":
         return
-    from . import kv_groups, layers, ops, prefix_cache, runners, seeded_loader
+    from interp_runner.plugin import kv_groups, layers, ops, prefix_cache, runners, seeded_loader
 
     ops.register_ops()
     seeded_loader.register()

@@ -17,7 +17,7 @@ import torch
 from interp_runner.contracts import Keep
 from interp_runner.payload import ref_key, unpack_positions
 
-from .records import KeptGroup, StreamKey
+from interp_runner.plugin.records import KeptGroup, StreamKey
 
 
 class KeptStream(NamedTuple):

@@ -21,8 +21,8 @@ from interp_runner.contracts import Capture
 from interp_runner.payload import unpack_positions
 from interp_runner_kernels.reference import gather_rows
 
-from .readback import CaptureMeta
-from .records import CaptureGroup
+from interp_runner.plugin.readback import CaptureMeta
+from interp_runner.plugin.records import CaptureGroup
 
 
 class RowCopy(NamedTuple):

@@ -23,10 +23,10 @@ from interp_runner.models.layouts import BlockLayout, layouts_by_class
 from interp_runner.contracts import ENGINE_KEY, plugin_spec_of
 from interp_runner.sites import site_id
 
-from . import runtime
-from .ops import apply_pair, apply_site, flag_rows
-from .expert_group import ensure_expert_group
-from .plain_blocks import plain_forward
+from interp_runner.plugin import runtime
+from interp_runner.plugin.ops import apply_pair, apply_site, flag_rows
+from interp_runner.plugin.expert_group import ensure_expert_group
+from interp_runner.plugin.plain_blocks import plain_forward
 
 
 def _site_op(self):

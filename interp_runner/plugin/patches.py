@@ -15,7 +15,7 @@ import torch
 import interp_runner_kernels as kernels
 from interp_runner.contracts import PatchColumns
 
-from .records import PatchEntries
+from interp_runner.plugin.records import PatchEntries
 
 MANY_ENTRIES = 32  # from here on a request's entries are sorted in numpy
 

@@ -60,7 +60,7 @@ class StreamKey(NamedTuple):
 
 @dataclass(slots=True)
 class CellLayout:
-    """A packed request's cells (``interp_runner.packing``): segment ``k`` holds prompt positions ``prefix ..
+    """A packed request's cells (``interp_runner.compile.packing``): segment ``k`` holds prompt positions ``prefix ..
     prefix + length - 1`` at ``prefix + k * stride``, padded to ``stride``."""
 
     prefix: int

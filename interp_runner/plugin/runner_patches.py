@@ -16,10 +16,10 @@ another process: ``prefix_cache``; decoder layers in ``layers``.) This is the V1
 
 from __future__ import annotations
 
-from . import skipping
-from .ops import activate
-from .runner_view import V1RunnerView
-from .runners.base import VIEW_ATTR, mark, room_name
+from interp_runner.plugin import skipping
+from interp_runner.plugin.ops import activate
+from interp_runner.plugin.runner_view import V1RunnerView
+from interp_runner.plugin.runners.base import VIEW_ATTR, mark, room_name
 
 
 def state_of(runner):

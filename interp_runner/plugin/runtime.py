@@ -33,20 +33,20 @@ import torch
 from interp_runner.contracts import PatchColumns, PluginSpec, RequestPayload, plugin_spec_of
 from interp_runner.payload import unpack_positions
 
-from .bank import PatchBank
-from .capture import CaptureBuffer, capture_groups
-from .checksum import RankChecksum
-from .kept_kv import KeptKV
-from .nonfinite import ResultFlags
-from .ops import activate, active_state
-from .patches import PatchRows
-from .readback import Readback
-from .records import RequestPlan
-from .runner_view import RunnerView, StepBatch
-from .sequences import PackedSequences
-from .staging import PinnedRing
-from .steering import SteeringTable
-from .worker import InterpWorkerExtension
+from interp_runner.plugin.bank import PatchBank
+from interp_runner.plugin.capture import CaptureBuffer, capture_groups
+from interp_runner.plugin.checksum import RankChecksum
+from interp_runner.plugin.kept_kv import KeptKV
+from interp_runner.plugin.nonfinite import ResultFlags
+from interp_runner.plugin.ops import activate, active_state
+from interp_runner.plugin.patches import PatchRows
+from interp_runner.plugin.readback import Readback
+from interp_runner.plugin.records import RequestPlan
+from interp_runner.plugin.runner_view import RunnerView, StepBatch
+from interp_runner.plugin.sequences import PackedSequences
+from interp_runner.plugin.staging import PinnedRing
+from interp_runner.plugin.steering import SteeringTable
+from interp_runner.plugin.worker import InterpWorkerExtension
 
 __all__ = ["InterpState", "InterpWorkerExtension", "active_state", "state_for_current_engine"]
 

@@ -7,7 +7,7 @@ The seed comes in ``model_loader_extra_config={"seed": N}``.
 
 from __future__ import annotations
 
-from ..models.seeded import LOAD_FORMAT, checkpoint
+from interp_runner.models.seeded import LOAD_FORMAT, checkpoint
 
 _registered = False
 

@@ -1,6 +1,6 @@
 """Packed cells: a packed request split into attention sequences, and the cells that skip layers.
 
-A packed request (``interp_runner.packing``) holds a shared prefix and then one block-aligned segment per cell. In a
+A packed request (``interp_runner.compile.packing``) holds a shared prefix and then one block-aligned segment per cell. In a
 step with packed cells each segment runs as its own attention sequence (seeing the prefix's blocks and its own) at
 the positions of the prompt it stands for, and each cell is scored at its last prompt token. Cells whose first
 layer is above 0 enter the model there with the residual stream their run kept in the patch bank: the step then
@@ -19,8 +19,8 @@ from interp_runner.contracts import Cells, ReuseKv, StartLayer
 from interp_runner.payload import unpack_positions
 from interp_runner.sites import site_id
 
-from .readback import CellScores, Scored
-from .records import CellLayout, LayerSkip, RequestPlan, StreamKey
+from interp_runner.plugin.readback import CellScores, Scored
+from interp_runner.plugin.records import CellLayout, LayerSkip, RequestPlan, StreamKey
 
 
 class PackedSequences:

@@ -22,7 +22,7 @@ import torch
 
 from interp_runner.models.layouts import layout_for
 
-from .records import LayerSkip
+from interp_runner.plugin.records import LayerSkip
 
 
 def metadata_by_sequences(build, common, skip: LayerSkip, num_seqs: int) -> dict[int, object]:

@@ -1,14 +1,14 @@
 """The worker extension: methods vLLM mixes into its workers, which the runner calls through ``collective_rpc``.
 
-vLLM loads it by ``interp_runner.engine.WORKER_EXTENSION``.
+vLLM loads it by ``interp_runner.engine.adapter.WORKER_EXTENSION``.
 """
 
 from __future__ import annotations
 
 from interp_runner.payload import pack_results
 
-from .runner_patches import plans_steps, state_of, view_of
-from .runners.base import room_name
+from interp_runner.plugin.runner_patches import plans_steps, state_of, view_of
+from interp_runner.plugin.runners.base import room_name
 
 
 class InterpWorkerExtension:

@@ -1,7 +1,7 @@
 """``interp-report PATH [--out FILE]``: (re)build the report of a store (``<name>.report.html`` beside it), or the
 index page of a sweep folder (``index.html`` in it, beside ``sweep.json``). Exit 0 when written, 2 when PATH is
 neither a store of this runner nor a sweep folder, or a store with an array that cannot be read. A report beside
-the store replaces only the one the store lists as its own (``interp_runner.companions``), and is listed in it."""
+the store replaces only the one the store lists as its own (``interp_runner.store.companions``), and is listed in it."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import os
 import sys
 from pathlib import Path
 
-from ..companions import record, why_not_owned
-from ..store_claim import StoreTarget, store_attrs
-from ..store_read import UnreadableStore
-from ..sweep import INDEX
-from .run_report import write_report
-from .sweep_index import INDEX_PAGE, write_index_page
+from interp_runner.store.companions import record, why_not_owned
+from interp_runner.store.claim import StoreTarget, store_attrs
+from interp_runner.store.read import UnreadableStore
+from interp_runner.sweep import INDEX
+from interp_runner.report.run_report import write_report
+from interp_runner.report.sweep_index import INDEX_PAGE, write_index_page
 
 USAGE_ERROR = 2
 

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 from markupsafe import Markup, escape
 
-from ..kinds.base import Heatmap
+from interp_runner.kinds.base import Heatmap
 
 CELL_HEIGHT = 16
 GRID_WIDTH = 360  # the cells' width to aim at; each cell stays within CELL_WIDTHS

@@ -20,13 +20,13 @@ from pathlib import Path
 import xarray as xr
 import yaml
 
-from ..kinds.base import Heatmap, Kind, Section
-from ..result_flags import nonfinite_lines
-from ..sites import site_of
-from ..store_claim import StoreTarget
-from ..store_read import open_dataset
-from .heatmap import svg
-from .render import cell, figure_entry, flatten, page_script, render, write_html
+from interp_runner.kinds.base import Heatmap, Kind, Section
+from interp_runner.store.result_flags import nonfinite_lines
+from interp_runner.sites import site_of
+from interp_runner.store.claim import StoreTarget
+from interp_runner.store.read import open_dataset
+from interp_runner.report.heatmap import svg
+from interp_runner.report.render import cell, figure_entry, flatten, page_script, render, write_html
 
 # manifest keys -> the table showing them (in this order); the rest goes under "Other attributes"
 MANIFEST_TABLES = (
@@ -47,7 +47,7 @@ LOAD_BYTES = 64 << 20  # arrays up to this size are read into memory at once (ca
 
 def default_kind(ds: xr.Dataset) -> Kind | None:
     """The kind that wrote ``ds`` (None for a kind this version lacks)."""
-    from ..kinds import kind_of_store
+    from interp_runner.kinds import kind_of_store
 
     try:
         return kind_of_store(dict(ds.attrs))

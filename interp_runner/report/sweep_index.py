@@ -15,12 +15,12 @@ from urllib.parse import quote
 
 import xarray as xr
 
-from ..kinds.base import Kind
-from ..store_claim import StoreTarget
-from ..store_read import open_dataset
-from .render import image_data_uri, render, write_html
-from . import run_report
-from ..sweep import read_jobs, swept_parameters
+from interp_runner.kinds.base import Kind
+from interp_runner.store.claim import StoreTarget
+from interp_runner.store.read import open_dataset
+from interp_runner.report.render import image_data_uri, render, write_html
+from interp_runner.report import run_report
+from interp_runner.sweep import read_jobs, swept_parameters
 
 INDEX_PAGE = "index.html"
 

@@ -2,5 +2,5 @@
 
 Owns the ``serve:`` settings, the request's ``interp`` object, named vectors at run time and the hooks into vLLM's
 app (one middleware, the ``/v1/interp/vectors`` routes, the engine client's ``generate``). Imports the compiler
-modules below every kind (``request_build``, ``steer_build``'s building blocks, ``payload``); nothing imports it.
+modules below every kind (``compile.requests``, ``compile.steering``'s building blocks, ``payload``); nothing imports it.
 """

@@ -14,10 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import CONF_DIR, report, resolved
-from ..cli_errors import COMMAND_LINE_ERRORS, explain
-from ..config.errors import EXIT_CODE, ConfigError
-from .settings import Prepared
+from interp_runner.cli import CONF_DIR, report, resolved
+from interp_runner.cli_errors import COMMAND_LINE_ERRORS, explain
+from interp_runner.config.errors import EXIT_CODE, ConfigError
+from interp_runner.serve.settings import Prepared
 
 CONFIG_NAME = "serve"
 USED_KEYS = ("model", "engine", "vectors", "steering.global")
@@ -43,7 +43,7 @@ def _ignored(cfg) -> list[str]:
 
 
 def _sections():
-    from ..run_config import SECTIONS
+    from interp_runner.config.run import SECTIONS
 
     return SECTIONS
 
@@ -66,7 +66,7 @@ def engine_flags(cfg, facts, gpu: bool) -> list[str]:
         flags += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
     seed = cfg.model.weights_seed()
     if seed is not None:
-        from ..models.seeded import LOAD_FORMAT
+        from interp_runner.models.seeded import LOAD_FORMAT
 
         flags += ["--load-format", LOAD_FORMAT, "--model-loader-extra-config", json.dumps({"seed": seed})]
     return flags
@@ -74,17 +74,17 @@ def engine_flags(cfg, facts, gpu: bool) -> list[str]:
 
 def prepare(config: dict, extra_args: list[str]) -> Prepared:
     """Validate the composed config; every problem is a ``ConfigError`` naming its key."""
-    from ..config.schema import resolve_path
-    from ..engine import on_gpu
-    from ..engine_rules import check_engine, model_dtype
-    from ..models.facts import ModelFacts, UnsupportedModel
-    from ..models.materialize import model_path
-    from ..payload import EngineSpec
-    from ..run_config import validate_config
-    from ..steer_build import load_named_vectors
-    from ..tokens import TextTokenizer, TokenizerError
-    from .compile import Served, check_dtype, site_set, steer_entries
-    from .settings import validate_serve
+    from interp_runner.config.schema import resolve_path
+    from interp_runner.engine.adapter import on_gpu
+    from interp_runner.engine.rules import check_engine, model_dtype
+    from interp_runner.models.facts import ModelFacts, UnsupportedModel
+    from interp_runner.models.materialize import model_path
+    from interp_runner.payload import EngineSpec
+    from interp_runner.config.run import validate_config
+    from interp_runner.compile.steering import load_named_vectors
+    from interp_runner.compile.tokens import TextTokenizer, TokenizerError
+    from interp_runner.serve.compile import Served, check_dtype, site_set, steer_entries
+    from interp_runner.serve.settings import validate_serve
 
     config = dict(config)
     settings = validate_serve(config.pop("serve", None))
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if prepared.ignored:
         print(f"interp-serve uses {', '.join(USED_KEYS)} of the config; left out: {', '.join(prepared.ignored)} "
               "(requests carry their own in their interp object)", file=sys.stderr)
-    from .server import run
+    from interp_runner.serve.server import run
 
     run(vllm_args, prepared)
 

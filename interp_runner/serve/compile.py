@@ -1,5 +1,5 @@
-"""A request's ``interp`` object -> its payload, with the compiler's own building blocks: ``steer_build`` turns the
-steering tiers into entries (the same checks as a config's), ``request_build.make_request`` the payload with its
+"""A request's ``interp`` object -> its payload, with the compiler's own building blocks: ``compile.steering`` turns the
+steering tiers into entries (the same checks as a config's), ``compile.requests.make_request`` the payload with its
 prefix-cache ranges, so requests with different interventions never share KV. No engine needed."""
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..config.errors import ConfigError
-from ..config.schema import Tiers
-from ..engine_rules import DTYPE_MAX
-from ..models.facts import ModelFacts
-from ..contracts import DECODE, PAYLOAD_KEY, PREFILL, Capture, RequestPayload, Steer
-from ..payload import pack_positions
-from ..prompt_set import answer_token
-from ..request_build import Prompt, make_request
-from ..selectors import parse_layers
-from ..sites import site_id, site_of
-from ..steer_build import compile_steering
-from .settings import CaptureRequest, InterpRequest, SiteSet
+from interp_runner.config.errors import ConfigError
+from interp_runner.config.schema import Tiers
+from interp_runner.engine.rules import DTYPE_MAX
+from interp_runner.models.facts import ModelFacts
+from interp_runner.contracts import DECODE, PAYLOAD_KEY, PREFILL, Capture, RequestPayload, Steer
+from interp_runner.payload import pack_positions
+from interp_runner.compile.prompt_set import answer_token
+from interp_runner.compile.requests import Prompt, make_request
+from interp_runner.compile.selectors import parse_layers
+from interp_runner.sites import site_id, site_of
+from interp_runner.compile.steering import compile_steering
+from interp_runner.serve.settings import CaptureRequest, InterpRequest, SiteSet
 
 GLOBAL = "steering.global"
 SAMPLING = SimpleNamespace(max_tokens=1, temperature=0.0, top_p=1.0, seed=0, logprobs=0)  # payload only
@@ -94,7 +94,7 @@ class Compiled:
 
     def payload(self, rid: str, token_ids: list[int]) -> tuple[RequestPayload | None, bool]:
         """(payload, whether the request may not read the prefix cache) of this request for its prompt: as
-        ``request_build.make_request`` builds a compiled run's, prefix-cache ranges included."""
+        ``compile.requests.make_request`` builds a compiled run's, prefix-cache ranges included."""
         n = len(token_ids)
         capture = []
         if self.capture is not None:

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..contracts import PAYLOAD_KEY, encode_payload
-from ..payload import unpack_results
-from .compile import Compiled
+from interp_runner.contracts import PAYLOAD_KEY, encode_payload
+from interp_runner.payload import unpack_results
+from interp_runner.serve.compile import Compiled
 
 REGISTER_VECTORS = "interp_register_vectors"
 COLLECT = "interp_collect"

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..config.errors import ConfigError
-from .compile import Served, capture_bytes, compile_interp, result_json
-from .engine_hook import CURRENT, Call, InterpEngine
-from .named import NamedVectors, read_upload
-from .settings import ServeSettings, validate_interp
+from interp_runner.config.errors import ConfigError
+from interp_runner.serve.compile import Served, capture_bytes, compile_interp, result_json
+from interp_runner.serve.engine_hook import CURRENT, Call, InterpEngine
+from interp_runner.serve.named import NamedVectors, read_upload
+from interp_runner.serve.settings import ServeSettings, validate_interp
 
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 DONE_EVENT = b"data: [DONE]"
@@ -210,7 +210,7 @@ def vector_routes(state: ServeState) -> APIRouter:
         try:
             upload, vec = await asyncio.to_thread(read_upload, data, state.served.facts.hidden_size,
                                                   state.settings.vector_dirs, state.settings.max_inline_values)
-            from ..payload import vector_key
+            from interp_runner.payload import vector_key
 
             await state.engine.register({vector_key(vec): vec})  # on the workers before its first request
             replaced = state.named.add(upload.name, vec, upload.replace)

@@ -15,9 +15,9 @@ from typing import Annotated
 import numpy as np
 from pydantic import Field, StrictBool, ValidationError, model_validator
 
-from ..config.errors import ConfigError, problems_of
-from ..config.schema import Float32, Strict
-from ..payload import vector_key
+from interp_runner.config.errors import ConfigError, problems_of
+from interp_runner.config.schema import Float32, Strict
+from interp_runner.payload import vector_key
 
 NAME = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"
 FILE_SUFFIXES = (".npy", ".safetensors", ".gguf")
@@ -99,7 +99,7 @@ def _from_safetensors(data: bytes, key: str | None, where: str):
 
 
 def _from_gguf(data: bytes, layer: int, where: str):
-    from ..control_vectors import ControlVectorError, read_gguf
+    from interp_runner.vectors.control import ControlVectorError, read_gguf
 
     with tempfile.NamedTemporaryFile(suffix=".gguf") as f:  # the reader maps a file
         f.write(data)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import signal
 
-from .engine_hook import InterpEngine
-from .http import InterpMiddleware, ServeState, vector_routes
-from .named import NamedVectors
-from .settings import Prepared
+from interp_runner.serve.engine_hook import InterpEngine
+from interp_runner.serve.http import InterpMiddleware, ServeState, vector_routes
+from interp_runner.serve.named import NamedVectors
+from interp_runner.serve.settings import Prepared
 
 STATUS = "interp_status"
 
@@ -55,7 +55,7 @@ async def serve(args, prepared: Prepared) -> None:
         named = NamedVectors(settings.max_vectors)
         for name, vec in prepared.named.items():
             named.add(name, vec, replace=False)
-        from ..payload import vector_key
+        from interp_runner.payload import vector_key
 
         await hook.register({**prepared.global_vectors, **{vector_key(v): v for v in prepared.named.values()}})
         state = ServeState(settings, prepared.served, prepared.tokenizer, named, hook, prepared.global_steer,

@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError
 
-from ..config.errors import ConfigError, problems_of
-from ..config.schema import Hook, LayerSelector, Strict, Tiers
+from interp_runner.config.errors import ConfigError, problems_of
+from interp_runner.config.schema import Hook, LayerSelector, Strict, Tiers
 
 MiB = 1 << 20
 

@@ -15,6 +15,8 @@ cannot load, other weights, a config that no longer validates, a rerun that fail
 Modules: ``stores`` (reading a store), ``rules`` (which comparison, what tolerance), ``arrays`` (array by array),
 ``derived`` (arrays derived from others: the tolerance of their sources), ``report`` (the comparison and its
 printout), ``rerun`` (running a store again).
+
+Imports store/, kinds/, engine/ and the pipeline (reruns); nothing imports it.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .report import Report, compare, print_report
-from .rerun import rerun, rerun_config
-from ..result_arrays import value_kind
-from .stores import EXIT_ERROR, EXIT_MATCH, EXIT_MISMATCH, Store, VerifyError, check_readable, open_store
+from interp_runner.verify.report import Report, compare, print_report
+from interp_runner.verify.rerun import rerun, rerun_config
+from interp_runner.store.result_arrays import value_kind
+from interp_runner.verify.stores import EXIT_ERROR, EXIT_MATCH, EXIT_MISMATCH, Store, VerifyError, check_readable, open_store
 
 __all__ = ["EXIT_ERROR", "EXIT_MATCH", "EXIT_MISMATCH", "Report", "Store", "VerifyError", "compare", "main",
            "open_store", "print_report", "rerun", "rerun_config", "value_kind"]

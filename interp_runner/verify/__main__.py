@@ -1,5 +1,5 @@
 import sys
 
-from . import main
+from interp_runner.verify import main
 
 sys.exit(main())

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..result_arrays import value_kind as default_value_kind
-from .rules import Tolerance
+from interp_runner.store.result_arrays import value_kind as default_value_kind
+from interp_runner.verify.rules import Tolerance
 
 BLOCK_ELEMENTS = 1 << 24  # compare large arrays in slabs of about this many elements
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..kinds.base import Propagated, Ratio, ThresholdFlag
-from .arrays import Difference, _where, compare_variable, is_float, peak, stored_dtype
-from .rules import Tolerance
+from interp_runner.kinds.base import Propagated, Ratio, ThresholdFlag
+from interp_runner.verify.arrays import Difference, _where, compare_variable, is_float, peak, stored_dtype
+from interp_runner.verify.rules import Tolerance
 
 
 class Allowed:

@@ -7,10 +7,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .arrays import Difference, check_forced_greedy, compare_top_k, compare_variable, is_float, peak
-from .derived import Allowed, compare_derived
-from .rules import Tolerance, choose_tolerance
-from .stores import Store, VerifyError, check_readable
+from interp_runner.verify.arrays import Difference, check_forced_greedy, compare_top_k, compare_variable, is_float, peak
+from interp_runner.verify.derived import Allowed, compare_derived
+from interp_runner.verify.rules import Tolerance, choose_tolerance
+from interp_runner.verify.stores import Store, VerifyError, check_readable
 
 # root attributes written by the provenance manifest and the run's status, not results
 MANIFEST_KEYS = frozenset({

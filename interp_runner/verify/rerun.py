@@ -12,8 +12,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from .rules import kernel_path, path_differences
-from .stores import Store, VerifyError
+from interp_runner.verify.rules import kernel_path, path_differences
+from interp_runner.verify.stores import Store, VerifyError
 
 
 def _remap_experiments_dir(config, recorded: str | None, here: str, log: Callable[[str], None]):
@@ -39,12 +39,12 @@ def _remap_experiments_dir(config, recorded: str | None, here: str, log: Callabl
 
 def rerun_config(store: Store, new_store: Path, log: Callable[[str], None] = print) -> dict:
     """The store's resolved config, writing to ``new_store``; refuses (VerifyError) other model weights."""
-    from ..config import ConfigError
-    from ..config.schema import resolve_path
-    from ..models.facts import weights_sha256
-    from ..models.materialize import model_path
-    from ..provenance import EXPERIMENTS_DIR
-    from ..run_config import validate_config
+    from interp_runner.config import ConfigError
+    from interp_runner.config.schema import resolve_path
+    from interp_runner.models.facts import weights_sha256
+    from interp_runner.models.materialize import model_path
+    from interp_runner.store.provenance import EXPERIMENTS_DIR
+    from interp_runner.config.run import validate_config
 
     config = store.config
     if not config:
@@ -78,7 +78,7 @@ def rerun_config(store: Store, new_store: Path, log: Callable[[str], None] = pri
 def forcing_reason(store: Store) -> str | None:
     """Why a rerun of ``store`` on this machine is teacher-forced to its tokens; None where it runs as recorded
     (the same kernel path: it must match exactly) or has no text to force."""
-    from ..provenance import host, versions
+    from interp_runner.store.provenance import host, versions
 
     config = store.config
     if "tokens" not in store.ds.data_vars:  # the store has no generated tokens
@@ -97,8 +97,8 @@ def forcing_reason(store: Store) -> str | None:
 def rerun(store: Store, out: Path, log: Callable[[str], None] = print, exact: bool = False) -> Path:
     """Rerun ``store``'s experiment into ``out``/results.zarr; the new store's path. Teacher-forced to the store's
     tokens where this machine's kernel path differs (never with ``exact``)."""
-    from ..config import ConfigError
-    from ..pipeline import run
+    from interp_runner.config import ConfigError
+    from interp_runner.pipeline import run
 
     new_store = (out / "results.zarr").resolve()
     if new_store == store.path.resolve() or store.path.resolve() in new_store.parents:

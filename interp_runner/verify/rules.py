@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..kernel_path import CPU_KERNEL_KEYS
+from interp_runner.engine.kernel_path import CPU_KERNEL_KEYS
 
 CPU_RTOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 GPU_RTOL = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from ..kinds import kind_of_store
-from ..store_read import UnreadableStore, check_metadata, open_dataset
+from interp_runner.kinds import kind_of_store
+from interp_runner.store.read import UnreadableStore, check_metadata, open_dataset
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
@@ -86,7 +86,7 @@ def open_store(path: Path) -> Store:
 
 def check_readable(store: Store) -> None:
     """Read every array once: a chunk that does not decode is a VerifyError naming its array."""
-    from .arrays import slabs
+    from interp_runner.verify.arrays import slabs
 
     for name in [*store.ds.data_vars, *store.ds.coords]:
         try:

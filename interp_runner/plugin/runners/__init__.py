@@ -8,7 +8,7 @@ rooms are imported when instrumenting (they import the plugin's shared patches, 
 from __future__ import annotations
 
 def instrument() -> None:
-    from . import v1, v2
+    from interp_runner.plugin.runners import v1, v2
 
     for room in (v1.ROOM, v2.ROOM):
         room.instrument()

@@ -9,8 +9,8 @@ teacher forcing is a logits processor (``plugin.forcing``).
 
 from __future__ import annotations
 
-from .. import runner_patches
-from .base import RunnerRoom
+from interp_runner.plugin import runner_patches
+from interp_runner.plugin.runners.base import RunnerRoom
 
 
 class V1Room(RunnerRoom):

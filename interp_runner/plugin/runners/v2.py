@@ -29,11 +29,11 @@ import torch
 
 from interp_runner.contracts import payload_of
 
-from .. import skipping
-from ..ops import activate
-from ..runner_patches import WARM_UP_TOKENS, _packed_sequences, state_of
-from ..runner_view import NewRequest, V1RunnerView
-from .base import ROOM_ATTR, RunnerRoom, mark
+from interp_runner.plugin import skipping
+from interp_runner.plugin.ops import activate
+from interp_runner.plugin.runner_patches import WARM_UP_TOKENS, _packed_sequences, state_of
+from interp_runner.plugin.runner_view import NewRequest, V1RunnerView
+from interp_runner.plugin.runners.base import ROOM_ATTR, RunnerRoom, mark
 
 
 class V2RunnerView(V1RunnerView):
@@ -139,7 +139,7 @@ class V2Room(RunnerRoom):
         from vllm.platforms import current_platform
         from vllm.v1.worker.gpu import model_runner as module
 
-        from . import v2_sampler
+        from interp_runner.plugin.runners import v2_sampler
 
         cls = module.GPUModelRunner
         if ROOM_ATTR in cls.__dict__:
@@ -253,7 +253,7 @@ def _allow_without_triton() -> None:
     from vllm.config import vllm as config_module
     from vllm.triton_utils import HAS_TRITON
 
-    from . import v2_cpu
+    from interp_runner.plugin.runners import v2_cpu
 
     if HAS_TRITON:
         return

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..forcing import ForcedTokens
+from interp_runner.plugin.forcing import ForcedTokens
 
 FORCED_ATTR = "_interp_forced"  # on a sampler: slot -> (forced tokens, prompt length)
 
