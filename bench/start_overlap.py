@@ -32,7 +32,8 @@ def config_of(overrides: list[str]) -> dict:
 
 
 def one_run(mode: str, overrides: list[str], spec_file: Path) -> dict:
-    from interp_runner.engine.adapter import VllmEngine, on_gpu
+    from interp_runner.engine.adapter import VllmEngine
+    from interp_runner.engine.settings import on_gpu
     from interp_runner.payload import EngineSpec
     from interp_runner.pipeline import prepare
     from interp_runner.config.run import validate_config

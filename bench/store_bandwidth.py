@@ -109,7 +109,7 @@ def synthetic_plan(shape: tuple[int, int, int, int], hook: str, dtype: str):
 
 def synthetic_results(plan, hidden: int, values: str, seed: int) -> dict:
     """Results by request id as ``VllmEngine.run`` returns them: per captured site, (positions, float32 values)."""
-    from interp_runner.engine.adapter import RequestResult
+    from interp_runner.engine.results import RequestResult
     from interp_runner.payload import unpack_positions
 
     rng = np.random.default_rng(seed)

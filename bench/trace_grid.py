@@ -199,7 +199,7 @@ def ours_grid(plan, results, num_layers: int, n: int):
 
 
 HOST_PARTS = (  # (file, function, what) for the host profile; cumulative seconds unless noted
-    ("adapter.py", "_run_bulk", "our submit/read loop (self time)"),
+    ("bulk.py", "run_bulk", "our submit/read loop (self time)"),
     ("core.py", "preprocess_add_request", "vLLM: request objects, block hashes"),
     ("scheduler.py", "schedule", "vLLM: scheduler"),
     ("scheduler.py", "update_from_output", "vLLM: scheduler output processing"),
@@ -212,7 +212,7 @@ HOST_PARTS = (  # (file, function, what) for the host profile; cumulative second
     ("gpu_model_runner.py", "sample_tokens", "vLLM: sampling"),
     ("gpu_model_runner.py", "get_output", "host waiting for the GPU"),
     ("gpu_model_runner.py", "synchronize_input_prep", "host waiting for the previous step's inputs"),
-    ("adapter.py", "_collect", "our result collection"),
+    ("adapter.py", "collect", "our result collection"),
     ("pipeline.py", "execute", "whole run"),
 )
 
@@ -323,7 +323,7 @@ class Timeline:
     """Host timestamps of one run's phases (``--timeline``): the named callables are wrapped while it runs."""
 
     def __init__(self, engine):
-        import interp_runner.engine.adapter as engine_module
+        import interp_runner.engine.bulk as bulk
         import interp_runner.compile.packing as packing
 
         core = engine.llm.llm_engine.engine_core
@@ -331,11 +331,11 @@ class Timeline:
         self.targets = [  # (owner, attribute, phase name)
             (engine, "run", "stage"),
             (engine, "register_sources", "sources to the workers"),
-            (engine_module, "group_cells", "grouping cells"),
+            (bulk, "group_cells", "grouping cells"),
             (packing.CellGroup, "request", "packed requests made"),
             (core, "add_request", "submit"),
             (core, "get_output", "engine step"),
-            (engine, "_collect", "result collection"),
+            (engine, "collect", "result collection"),
         ]
 
     def run(self, fn):

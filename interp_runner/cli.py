@@ -38,7 +38,7 @@ _verbose = False
 def _engine_pool():
     global _engines
     if _engines is None:
-        from interp_runner.engine.adapter import EnginePool
+        from interp_runner.engine.pool import EnginePool
 
         _engines = EnginePool()
     return _engines

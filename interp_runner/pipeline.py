@@ -21,7 +21,9 @@ from interp_runner import run_log
 from interp_runner.store import provenance
 from interp_runner.config import ConfigError
 from interp_runner.config.schema import resolve_path
-from interp_runner.engine.adapter import EngineError, EnginePool, on_gpu, one_token_no_text
+from interp_runner.engine.adapter import one_token_no_text
+from interp_runner.engine.pool import EnginePool
+from interp_runner.engine.settings import EngineError, on_gpu
 from interp_runner.engine.rules import check_engine, check_plan_values
 from interp_runner.kinds.figure_workers import FigureWorkers
 from interp_runner.kinds import kind_for

@@ -137,7 +137,7 @@ def test_runs_keep_exactly_the_values_cells_read(pack, stride):
 def test_a_voided_cell_is_listed_and_never_in_the_grid():
     """A cell the workers voided (a source missing) still ran and has a score, of an unpatched run: the grid
     leaves it out and the store lists it."""
-    from interp_runner.engine.adapter import RequestResult
+    from interp_runner.engine.results import RequestResult
 
     plan = prepare(trace_config("tiny_random", components=["resid"], layers=[0], noise={"samples": 1}, filter=False,
                                 num_facts=1)).plan
@@ -362,7 +362,7 @@ def test_counterfactual_store_names_the_clean_and_the_corrupt_prompt(tmp_path, s
     restores (aligned by hand: the common prefix by identity, the common suffix by the length difference)."""
     from transformers import AutoTokenizer
 
-    from interp_runner.engine.adapter import RequestResult
+    from interp_runner.engine.results import RequestResult
     from interp_runner.kinds.causal_trace.kind import KIND
     from interp_runner.kinds.causal_trace.figures import token_axis_label, trace_heatmap
 
@@ -534,7 +534,7 @@ def test_packed_cells_score_as_unpacked_ones(runner_engine, tmp_path, monkeypatc
     core, calls = tiny_engine.llm.llm_engine.engine_core, []
     for name in ("add_request", "get_output"):
         monkeypatch.setattr(core, name, lambda *a, _f=getattr(core, name), _n=name: calls.append(_n) or _f(*a))
-    monkeypatch.setattr(tiny_engine, "_steps_overlap", lambda: True)
+    monkeypatch.setattr(tiny_engine, "steps_overlap", lambda: True)
     _, early = run_packed(tiny_engine, config, True)
     cells_submitted = calls[calls.index("add_request", calls.index("get_output")):]  # after stage 0's steps
     last_add = len(cells_submitted) - 1 - cells_submitted[::-1].index("add_request")

@@ -198,7 +198,8 @@ def test_captures_that_overflow_the_capture_buffer_come_back_the_same(runner_eng
 
 def test_ranks_that_applied_different_interventions_fail_the_run(runner_engine):
     tiny_engine = runner_engine
-    from interp_runner.engine.adapter import EngineError, VllmEngine
+    from interp_runner.engine.adapter import VllmEngine
+    from interp_runner.engine.settings import EngineError
 
     steering = {"global": {"base": {"post_block": {"layer": 1, "vector": vector(5)}}}}
     before = tiny_engine.check_ranks()[0]

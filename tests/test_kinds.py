@@ -15,7 +15,7 @@ from conftest import REPO, FakeEngineBase, base_config
 from interp_runner.config import ConfigError
 from interp_runner.config.schema import Sampling
 from interp_runner.contracts import DECODE, PREFILL, Capture, Steer
-from interp_runner.engine.adapter import RequestResult
+from interp_runner.engine.results import RequestResult
 from interp_runner.store.journal import Journal
 from interp_runner.kinds import DEFAULT, KINDS, kind_for, kind_of_store
 from interp_runner.pipeline import execute, prepare

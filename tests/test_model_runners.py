@@ -27,7 +27,7 @@ def test_a_bad_model_runner_is_refused_naming_the_key(bad):
 
 
 def test_the_engine_forces_a_runner_or_leaves_vllm_its_own_pick(monkeypatch):
-    from interp_runner.engine import adapter as engine
+    from interp_runner.engine import settings as engine
 
     monkeypatch.setattr(engine, "_caller_runner_env", None)
     monkeypatch.setenv(engine.RUNNER_ENV, "0")  # as an earlier engine of this process left it

@@ -291,7 +291,7 @@ def test_cells_packed_after_an_overflowing_corruption_are_flagged_and_never_in_t
 
 @pytest.mark.engine
 def test_the_store_summary_and_report_of_a_run_say_which_requests_were_flagged(tiny_engine, tmp_path, capsys):
-    from interp_runner.engine.adapter import EnginePool
+    from interp_runner.engine.pool import EnginePool
     from interp_runner.pipeline import run
     from interp_runner.summary import print_summary
 

@@ -12,7 +12,7 @@ import pytest
 import xarray as xr
 
 from conftest import Borrowed, base_config
-from interp_runner.engine.adapter import RequestResult
+from interp_runner.engine.results import RequestResult
 from interp_runner.store.result_arrays import score_arrays
 
 # (role, destination prompt, source prompt, answer probability), in store order

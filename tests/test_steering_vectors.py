@@ -13,7 +13,7 @@ from support import hf_oracle
 from conftest import REPO, Borrowed, run_plan
 from interp_runner.config import ConfigError
 from interp_runner.contracts import DECODE, PREFILL
-from interp_runner.engine.adapter import RequestResult
+from interp_runner.engine.results import RequestResult
 from interp_runner.kinds.steering_vectors.kind import KIND
 from interp_runner.pipeline import prepare
 from interp_runner.sites import site_id

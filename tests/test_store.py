@@ -13,7 +13,7 @@ import zarr
 
 from conftest import FakeEngineBase, base_config
 from interp_runner.store import provenance
-from interp_runner.engine.adapter import RequestResult
+from interp_runner.engine.results import RequestResult
 from interp_runner.kinds.prompts import KIND as PROMPTS
 from interp_runner.pipeline import prepare, run
 from interp_runner.sites import site_id

@@ -27,7 +27,7 @@ import zarr
 
 from conftest import REPO, FakeEngineBase, base_config, has_cuda
 from interp_runner.config import ConfigError
-from interp_runner.engine.adapter import RequestResult
+from interp_runner.engine.results import RequestResult
 from interp_runner.store.journal import INDEX, Journal
 from interp_runner.pipeline import prepare, run
 from interp_runner.store.claim import StoreTarget
@@ -120,7 +120,7 @@ def test_overwrite_replaces_a_store_only_once_the_new_one_is_complete(tmp_path, 
     assert new["status"] == "complete" and new["started_at"] != old["started_at"]
     assert xr.open_zarr(str(target), consolidated=False).sizes["generated"] == 2
     assert sorted(p.name for p in area.iterdir()) == ["notes.txt", "results.figures", "results.zarr",
-                                                      "results.zarr.report.html"]
+                                                      "results.zarr.log", "results.zarr.report.html"]
     assert (area / "notes.txt").read_text() == "beside the store, not its own"
     assert (area / "results.figures" / "old.png").read_bytes() == b"old figure"
 
@@ -261,7 +261,8 @@ def test_two_runs_into_one_store_path(tmp_path, area):
     assert first.returncode == 0, (tmp_path / "first.err").read_text()[-3000:]
     assert_refused(second, "store.path", "in use by another run", f"pid {first.pid} ")
     assert dict(zarr.open_group(str(target), mode="r").attrs)["status"] == "complete"
-    assert sorted(p.name for p in area.iterdir()) == ["results.zarr", "results.zarr.report.html"]  # the lock went
+    assert sorted(p.name for p in area.iterdir()) == ["results.zarr", "results.zarr.log",
+                                                      "results.zarr.report.html"]  # the lock went
 
 
 def test_the_stale_lock_of_a_killed_process_is_broken(tmp_path, area):

@@ -13,7 +13,7 @@ import zarr
 
 import interp_runner
 from conftest import REPO
-from interp_runner.engine.adapter import EnginePool
+from interp_runner.engine.pool import EnginePool
 from interp_runner.payload import EngineSpec
 from interp_runner.sweep import record_job, swept_parameters
 from support import inprocess

@@ -83,7 +83,7 @@ def trace_config(tp: int, store: str) -> dict:
                    "cell_entry_stride": 1},
         "prompts": {"items": []},
         "causal_trace": {"facts": str(REPO / "experiments" / "causal_trace" / "facts.jsonl"), "num_facts": 1,
-                         "kinds": ["resid", "mlp"], "layers": [0, 3], "window": 2, "noise": {"samples": 2},
+                         "components": ["resid", "mlp"], "layers": [0, 3], "window": 2, "noise": {"samples": 2},
                          "filter": False, "plots": False},
         "store": {"path": store},
     }

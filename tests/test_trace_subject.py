@@ -32,7 +32,7 @@ def test_subject_positions_and_the_grid_match_hf_at_independently_found_subject_
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_path))
-    config = trace_config("tiny_random", kinds=["resid", "mlp", "attn"], layers=[0, 2], window=2, num_facts=2,
+    config = trace_config("tiny_random", components=["resid", "mlp", "attn"], layers=[0, 2], window=2, num_facts=2,
                           noise={"samples": 1, "seed": 1}, filter=False, plots=False)
     plan, results = run_packed(tiny_engine, config, False)
     ds = trace_dataset(plan, results)
@@ -48,7 +48,7 @@ def test_subject_positions_and_the_grid_match_hf_at_independently_found_subject_
         cells = [(k, lay, t) for k in ("resid", "mlp", "attn") for lay in (0, 2) for t in range(len(ids))]
         want, want_corrupt = hf_trace(tiny_path, ids, subject, ds["noise"].values[f, 0, : len(subject)],
                                       fact.clean.answer_ids[0], cells, window=2)
-        got = [float(ds["restored_logprob_samples"].sel(kind=k, layer=lay).values[f, t, 0]) for k, lay, t in cells]
+        got = [float(ds["restored_logprob_samples"].sel(component=k, layer=lay).values[f, t, 0]) for k, lay, t in cells]
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
         assert float(ds["corrupt_logprob_samples"].values[f, 0]) == pytest.approx(want_corrupt, abs=1e-4)
         # noise one token off moves the corrupted score far beyond the tolerance

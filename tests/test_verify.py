@@ -494,7 +494,7 @@ def test_batch_invariant_is_refused_on_cpu(tiny_path):
 
 
 def test_batch_invariant_mode_cannot_change_within_a_process(monkeypatch):
-    from interp_runner.engine import adapter as engine
+    from interp_runner.engine import settings as engine
 
     monkeypatch.setattr(engine, "on_gpu", lambda: True)
     monkeypatch.setattr(engine, "_batch_invariant_in_process", None)

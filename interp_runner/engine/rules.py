@@ -14,7 +14,7 @@ import numpy as np
 
 from interp_runner.config.errors import ConfigError
 from interp_runner.config.schema import RunBase
-from interp_runner.engine.adapter import CPU_KV_CACHE_BYTES, on_gpu
+from interp_runner.engine.settings import CPU_KV_CACHE_BYTES, on_gpu
 from interp_runner.models.facts import ModelFacts
 from interp_runner.contracts import DECODE, PREFILL
 from interp_runner.compile.plan import Plan

@@ -1,6 +1,6 @@
 """The worker extension: methods vLLM mixes into its workers, which the runner calls through ``collective_rpc``.
 
-vLLM loads it by ``interp_runner.engine.adapter.WORKER_EXTENSION``.
+vLLM loads it by ``interp_runner.engine.settings.WORKER_EXTENSION``.
 """
 
 from __future__ import annotations

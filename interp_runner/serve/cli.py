@@ -75,7 +75,7 @@ def engine_flags(cfg, facts, gpu: bool) -> list[str]:
 def prepare(config: dict, extra_args: list[str]) -> Prepared:
     """Validate the composed config; every problem is a ``ConfigError`` naming its key."""
     from interp_runner.config.schema import resolve_path
-    from interp_runner.engine.adapter import on_gpu
+    from interp_runner.engine.settings import on_gpu
     from interp_runner.engine.rules import check_engine, model_dtype
     from interp_runner.models.facts import ModelFacts, UnsupportedModel
     from interp_runner.models.materialize import model_path

@@ -19,7 +19,7 @@ from functools import lru_cache
 import msgspec
 import numpy as np
 
-from interp_runner.engine.adapter import RequestResult
+from interp_runner.engine.results import RequestResult
 
 ARRAY_KINDS = "biuf"  # bool, signed and unsigned integers, floats
 ARRAY, SCALAR = 1, 2  # extension codes

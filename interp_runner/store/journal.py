@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from interp_runner.config import ConfigError
-from interp_runner.engine.adapter import RequestResult
+from interp_runner.engine.results import RequestResult
 from interp_runner.store.codec import CodecError, decode, encode
 
 INDEX = "index.json"

@@ -32,7 +32,7 @@ from interp_runner.models.facts import ModelFacts
 from interp_runner.payload import plugin_fingerprint
 from interp_runner.compile.plan import Plan
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
 PACKAGES = ("torch", "triton", "transformers", "zarr", "xarray", "numpy", "pydantic", "hydra-core")
 
 

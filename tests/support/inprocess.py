@@ -47,7 +47,7 @@ class SharedEngines:
         self.runs = 0
 
     def get(self, model_path, cfg, spec, weights_seed=None):
-        from interp_runner.engine.adapter import EnginePool
+        from interp_runner.engine.pool import EnginePool
 
         key = (str(model_path), cfg, weights_seed)
         found = [entry for entry in self.pools if entry[0] == key]  # settings compare equal, not hash
@@ -130,7 +130,7 @@ class _Captured(io.StringIO):
 def _small_kv_cache():
     """An engine started meanwhile gets a KV cache of ``KV_CACHE_BYTES`` on a CPU, where the config leaves it open:
     several engines live in this process, and an engine's memory is not all given back when it closes."""
-    from interp_runner.engine import adapter as engine
+    from interp_runner.engine import settings as engine
 
     saved = engine.CPU_KV_CACHE_BYTES
     engine.CPU_KV_CACHE_BYTES = min(saved, KV_CACHE_BYTES)

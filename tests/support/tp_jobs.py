@@ -24,7 +24,8 @@ BF16_FACTOR = 4.0  # a bfloat16 TP array may differ from the reference TP size b
 RUNNER = """
 import json, sys
 from pathlib import Path
-from interp_runner.engine.adapter import EnginePool, on_gpu
+from interp_runner.engine.pool import EnginePool
+from interp_runner.engine.settings import on_gpu
 from interp_runner.pipeline import prepare, run
 if __name__ == "__main__":
     jobs = json.loads(Path(sys.argv[1]).read_text())
