@@ -86,12 +86,12 @@ def test_a_sequential_gpt_neox_block_is_refused(tmp_path):
 def test_tiny_weights_are_the_pinned_bytes_and_hf_loads_every_tensor(name, tmp_path):
     from safetensors.numpy import load_file
 
-    from interp_runner.models import materialize, tiny_gpt_moe
+    from interp_runner.models import materialize, tiny_gpt_moe, tiny_random
 
     path = model_path(name)
     family = tiny_gpt_moe.FAMILIES[name]
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    tiny_gpt_moe.write_safetensors(tiny_gpt_moe.weights(family, vocab), tmp_path / "model.safetensors")
+    tiny_random.write_safetensors(tiny_gpt_moe.weights(family, vocab), tmp_path / "model.safetensors")
     assert materialize.sha256_file(tmp_path / "model.safetensors") == tiny_gpt_moe.WEIGHTS_SHA256[name]
     assert materialize.sha256_file(path / "model.safetensors") == tiny_gpt_moe.WEIGHTS_SHA256[name]
     from transformers import AutoModelForCausalLM

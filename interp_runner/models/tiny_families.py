@@ -17,14 +17,13 @@ Scaled so that every code path of the family runs in a short prompt:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from interp_runner.models.tiny_random import _uniform, write_safetensors
+from interp_runner.models.tiny_random import _uniform, write_model_folder
 
 PROBES = ("The Eiffel Tower is located in the city of", "Hello, my name is", "1 2 3 4", "def main():",
           "Once upon a time", "The capital of France is")
@@ -142,10 +141,4 @@ def config(family: TinyFamily, vocab_size: int, bos: int, eos: int, pad: int) ->
 
 
 def write_folder(family: TinyFamily, out: Path, vocab_size: int, bos: int, eos: int, pad: int) -> None:
-    """model.safetensors, config.json and generation_config.json (tokenizer files are the caller's)."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(weights(family, vocab_size), out / "model.safetensors")
-    dump = lambda obj: json.dumps(obj, indent=2, sort_keys=True) + "\n"  # noqa: E731
-    (out / "config.json").write_text(dump(config(family, vocab_size, bos, eos, pad)))
-    (out / "generation_config.json").write_text(dump({"bos_token_id": bos, "eos_token_id": eos,
-                                                      "pad_token_id": pad}))
+    write_model_folder(out, weights(family, vocab_size), config(family, vocab_size, bos, eos, pad), bos, eos, pad)

@@ -94,14 +94,20 @@ def config(vocab_size: int, bos: int, eos: int, pad: int) -> dict:
     }
 
 
-def write_folder(out: Path, vocab_size: int, bos: int, eos: int, pad: int) -> None:
-    """model.safetensors, config.json and generation_config.json (tokenizer files are the caller's)."""
+def write_model_folder(out: Path, tensors: dict[str, np.ndarray], config_json: dict, bos: int, eos: int,
+                       pad: int) -> None:
+    """model.safetensors, config.json and generation_config.json of a tiny model (tokenizer files are the
+    caller's), the same bytes on every machine."""
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(weights(vocab_size), out / "model.safetensors")
+    write_safetensors(tensors, out / "model.safetensors")
     dump = lambda obj: json.dumps(obj, indent=2, sort_keys=True) + "\n"  # noqa: E731
-    (out / "config.json").write_text(dump(config(vocab_size, bos, eos, pad)))
+    (out / "config.json").write_text(dump(config_json))
     (out / "generation_config.json").write_text(dump({"bos_token_id": bos, "eos_token_id": eos,
                                                       "pad_token_id": pad}))
+
+
+def write_folder(out: Path, vocab_size: int, bos: int, eos: int, pad: int) -> None:
+    write_model_folder(out, weights(vocab_size), config(vocab_size, bos, eos, pad), bos, eos, pad)
 
 
 def perturbation_growth(model, ids_list, relative: float = 1e-6, seed: int = 1) -> float:

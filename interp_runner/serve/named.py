@@ -18,6 +18,7 @@ from pydantic import Field, StrictBool, ValidationError, model_validator
 from interp_runner.config.errors import ConfigError, problems_of
 from interp_runner.config.schema import Float32, Strict
 from interp_runner.payload import vector_key
+from interp_runner.vectors.load import checked_vector
 
 NAME = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"
 FILE_SUFFIXES = (".npy", ".safetensors", ".gguf")
@@ -49,23 +50,6 @@ class VectorUpload(Strict):
         if (self.layer is not None) != (kind == "gguf"):
             raise ValueError("a GGUF control vector needs 'layer' (its direction.N), and only it")
         return self
-
-
-def checked(vec, where: str, hidden_size: int) -> np.ndarray:
-    """A float vector of the model's width, finite as float32; errors name ``where``."""
-    vec = np.asarray(vec)
-    if not np.issubdtype(vec.dtype, np.floating):
-        raise ConfigError.at(where, f"vector has dtype {vec.dtype}, not a float dtype")
-    vec = vec.astype(np.float64).squeeze()
-    if vec.shape != (hidden_size,):
-        raise ConfigError.at(where, f"vector has shape {list(vec.shape)}, model hidden size is {hidden_size}")
-    if not np.isfinite(vec).all():
-        raise ConfigError.at(where, "vector contains NaN or inf")
-    with np.errstate(over="ignore"):
-        out = vec.astype(np.float32)
-    if not np.isfinite(out).all():
-        raise ConfigError.at(where, "vector is beyond float32's range (about ±3.4e38)")
-    return out
 
 
 def _decode(text: str, where: str) -> bytes:
@@ -135,7 +119,7 @@ def read_upload(data: object, hidden_size: int, dirs: list[str], max_values: int
     if upload.values is not None:
         if len(upload.values) > max_values:
             raise ConfigError.at("values", f"{len(upload.values)} values, at most {max_values}")
-        return upload, checked(upload.values, "values", hidden_size)
+        return upload, checked_vector(upload.values, "values", hidden_size)
     if upload.file is not None:
         path = file_under(upload.file, dirs)
         kind, raw = path.suffix.lstrip("."), path.read_bytes()
@@ -149,7 +133,7 @@ def read_upload(data: object, hidden_size: int, dirs: list[str], max_values: int
         vec = _from_safetensors(raw, upload.key, where)
     else:
         vec = _from_gguf(raw, upload.layer, where)
-    return upload, checked(vec, where, hidden_size)
+    return upload, checked_vector(vec, where, hidden_size)
 
 
 class NamedVectors:

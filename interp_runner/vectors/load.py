@@ -94,6 +94,11 @@ def load_vector(
                                 spec.layer, where)
     else:
         vec = _load_file(resolve_path(spec.file, base), spec.key, where, spec.layer)
+    return checked_vector(vec, where, hidden_size)
+
+
+def checked_vector(vec, where: str, hidden_size: int) -> np.ndarray:
+    """A float vector of the model's width, finite as float32 (the engine computes in it); errors name ``where``."""
     vec = np.asarray(vec)
     if not np.issubdtype(vec.dtype, np.number):
         raise ConfigError.at(where, f"vector has non-numeric dtype {vec.dtype}")
