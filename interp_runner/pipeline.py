@@ -20,7 +20,6 @@ from interp_runner import run_log
 
 from interp_runner.store import provenance
 from interp_runner.config import ConfigError
-from interp_runner.config.schema import resolve_path
 from interp_runner.engine.adapter import one_token_no_text
 from interp_runner.engine.pool import EnginePool
 from interp_runner.engine.settings import EngineError, on_gpu
@@ -32,7 +31,7 @@ from interp_runner.models import seeded
 from interp_runner.models.facts import ModelFacts, UnsupportedModel, embedding_rows
 from interp_runner.models.hook_check import check_config_hooks, check_plan_hooks
 from interp_runner.models.layouts import layout_for
-from interp_runner.models.materialize import model_path
+from interp_runner.models.materialize import model_folder
 from interp_runner.compile.plan import Plan
 from interp_runner.progress import StageProgress, on_terminal
 from interp_runner.report import write_report
@@ -60,15 +59,7 @@ def load_tokenizer(folder: Path, chat_template: bool) -> TextTokenizer:
 def prepare(config: dict, base: Path | None = None) -> Prepared:
     """Everything that can fail on bad input, done before any engine starts."""
     cfg = validate_config(config)
-    if cfg.model.path:
-        folder = resolve_path(cfg.model.path, base)
-        if not (folder / "config.json").exists():
-            raise ConfigError.at("model.path", f"{folder} is not a model folder (no config.json)")
-    else:
-        try:
-            folder = model_path(cfg.model.name)
-        except FileNotFoundError as err:
-            raise ConfigError.at("model.name", str(err)) from None
+    folder = model_folder(cfg.model, base)
     kind = kind_for(cfg)
     try:
         weights_seed = cfg.model.weights_seed()

@@ -244,6 +244,23 @@ def model_path(name_or_path: str) -> Path:
     return path
 
 
+def model_folder(model, base: Path | None = None) -> Path:
+    """The folder a validated ``model`` section names (``model.path``, else the built-in ``model.name``); a config
+    error naming the key where there is none."""
+    from interp_runner.config import ConfigError
+    from interp_runner.config.schema import resolve_path
+
+    if model.path:
+        folder = resolve_path(model.path, base)
+        if not (folder / "config.json").exists():
+            raise ConfigError.at("model.path", f"{folder} is not a model folder (no config.json)")
+        return folder
+    try:
+        return model_path(model.name)
+    except FileNotFoundError as err:
+        raise ConfigError.at("model.name", str(err)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Build the local test models into the interp-runner cache.")
     ap.add_argument("name", nargs="?", default="all", choices=[*BUILDERS, "all"])

@@ -74,11 +74,10 @@ def engine_flags(cfg, facts, gpu: bool) -> list[str]:
 
 def prepare(config: dict, extra_args: list[str]) -> Prepared:
     """Validate the composed config; every problem is a ``ConfigError`` naming its key."""
-    from interp_runner.config.schema import resolve_path
     from interp_runner.engine.settings import on_gpu
     from interp_runner.engine.rules import check_engine, model_dtype
     from interp_runner.models.facts import ModelFacts, UnsupportedModel
-    from interp_runner.models.materialize import model_path
+    from interp_runner.models.materialize import model_folder
     from interp_runner.payload import EngineSpec
     from interp_runner.config.run import validate_config
     from interp_runner.compile.steering import load_named_vectors
@@ -89,15 +88,7 @@ def prepare(config: dict, extra_args: list[str]) -> Prepared:
     config = dict(config)
     settings = validate_serve(config.pop("serve", None))
     cfg = validate_config(config)
-    if cfg.model.path:
-        folder = resolve_path(cfg.model.path)
-        if not (folder / "config.json").exists():
-            raise ConfigError.at("model.path", f"{folder} is not a model folder (no config.json)")
-    else:
-        try:
-            folder = model_path(cfg.model.name)
-        except FileNotFoundError as err:
-            raise ConfigError.at("model.name", str(err)) from None
+    folder = model_folder(cfg.model)
     gpu = on_gpu()
     try:
         facts = ModelFacts.from_folder(folder, cfg.model.weights_seed())
