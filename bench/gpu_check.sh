@@ -48,8 +48,9 @@ main() {
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # inherited by every process
   if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (the Hydra launchers)
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-wheels \
-      "$REPO"/.whl/*.whl && export PYTHONPATH=/tmp/site-wheels${PYTHONPATH:+:$PYTHONPATH}
+    flock /tmp/site-wheels.lock \
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-wheels \
+      "$REPO"/.whl/*.whl && export PYTHONPATH=/tmp/site-wheels${PYTHONPATH:+:$PYTHONPATH}  # one at a time: GPU lanes
   fi
   # as a user's install does, Python keeps byte-compiled modules (the GPU image turns that off: each process would
   # compile every module it imports again, ~19 s of an `interp-run`)
@@ -128,11 +129,13 @@ stage_setup() {
   rm -rf "$SITE_IR"
   local src
   src=$(mktemp -d)  # build from a copy: no build/ or egg-info left in the tree
-  cp -r "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/interp_runner" "$REPO/kernels" "$src/"
+  cp -r "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/interp_runner" "$REPO/kernels" "$REPO/conf" \
+    "$REPO/experiments" "$src/"
   if ! $PY -m pip install -q --no-deps --no-index --no-build-isolation --target "$SITE_IR" "$src"; then
     echo "pip install failed: writing the distribution by hand (same entry point)"
     mkdir -p "$SITE_IR/interp_runner-0.1.0.dist-info"
     cp -r "$REPO/interp_runner" "$SITE_IR/"
+    cp -r "$REPO/conf" "$REPO/experiments" "$SITE_IR/interp_runner/"  # shipped inside the package (interp_runner.shipped)
     cp -r "$REPO/kernels" "$SITE_IR/interp_runner_kernels"
     printf 'Metadata-Version: 2.1\nName: interp-runner\nVersion: 0.1.0\n' > "$SITE_IR/interp_runner-0.1.0.dist-info/METADATA"
     printf '[vllm.general_plugins]\ninterp_runner = interp_runner.plugin:register\n' \

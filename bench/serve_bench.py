@@ -34,6 +34,7 @@ from steer_overhead import median_interval  # noqa: E402  (the same interval as 
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms", "output_throughput")
 CONDITIONS = ("plain", "steer50", "steer100", "capture4")
+VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]  # `vllm`, from this interpreter
 
 
 def start(cmd: list[str], port: int, log: Path, env: dict) -> subprocess.Popen:
@@ -63,7 +64,7 @@ def capture_body(layers: int) -> dict:
 
 
 def bench(args, port: int, out: Path, num_prompts: int, rate: float, extra: dict | None) -> subprocess.Popen:
-    cmd = ["vllm", "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+    cmd = [*VLLM, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "/v1/completions", "--model", args.served_name, "--tokenizer", args.model_dir,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
@@ -161,8 +162,7 @@ def main() -> None:
               "--disable-uvicorn-access-log", "--disable-log-stats"]
     work = Path(tempfile.mkdtemp(prefix="serve_bench."))
     env = {k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}
-    stock_env = {**env, "VLLM_USE_V2_MODEL_RUNNER": "0"}  # the model runner the interp engine uses
-    stock = start(["vllm", "serve", str(folder), "--port", "8101", *common], 8101, work / "stock.log", stock_env)
+    stock = start([*VLLM, "serve", str(folder), "--port", "8101", *common], 8101, work / "stock.log", env)  # the runner the caller picked, as interp
     interp = start([sys.executable, "-m", "interp_runner.serve.cli", f"model.path={folder}",
                     f"engine.max_model_len={args.input_len + args.output_len + 64}",
                     f"engine.gpu_memory_utilization={args.gpu_memory_utilization}", "engine.enforce_eager=false",

@@ -12,7 +12,8 @@ Rows (each engine in its own process, built once, warmed up, then timed):
   of their engine specs. After every timed ``capture`` run the captured rows are counted: each request must
   bring back one row per layer (its last prompt position, ``hidden`` finite values), or the run fails.
 - ``stock``: plain vLLM, same settings and requests, no interp spec (the plugin is registered but the engine
-  is not instrumented), on the V1 model runner the interp engine uses.
+  is not instrumented), on the model runner the interp engine takes (the caller's ``VLLM_USE_V2_MODEL_RUNNER``
+  or vLLM's pick).
 - ``stock-default`` (optional): plain vLLM with the plugin disabled and vLLM's default model runner.
 
 Every request decodes exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, no detokenization; the time is
@@ -206,9 +207,8 @@ def use_dummy_loader() -> None:
 def build(kind: str, args, folder: Path, dummy: bool, spec):
     """(LLM, VllmEngine or None)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if kind == "stock":
+    if kind == "stock":  # on the runner the interp engine takes (engine.model_runner: auto): the caller's or vLLM's
         os.environ["INTERP_RUNNER_PLUGIN"] = "1"  # registered, but this engine carries no interp spec
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner the interp engine runs on
     elif kind == "stock-default":
         os.environ.pop("INTERP_RUNNER_PLUGIN", None)
         os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
@@ -260,9 +260,9 @@ def check_captures(plan, collected: dict, hidden: int) -> dict:
     for request in plan.requests:
         captures = collected.get(request.rid, {}).get("captures", {})
         wanted = {}
-        for sites, positions, _ in (request.payload or {}).get("capture", ()):
-            for site in sites:
-                wanted[site] = sorted(set(wanted.get(site, [])) | set(unpack_positions(positions).tolist()))
+        for capture in request.payload.capture if request.payload else ():
+            for site in capture.sites:
+                wanted[site] = sorted(set(wanted.get(site, [])) | set(unpack_positions(capture.positions).tolist()))
         count, problems = 0, []
         for site in sorted(set(wanted) | set(captures)):
             positions, values = captures.get(site, (np.zeros(0, np.int32), np.zeros((0, hidden), np.float32)))
@@ -275,7 +275,7 @@ def check_captures(plan, collected: dict, hidden: int) -> dict:
         rows.append(count)
         if problems:
             bad.append({"request": request.rid, "problems": problems[:4]})
-    expected = [sum(len(unpack_positions(p)) * len(s) for s, p, _ in (r.payload or {}).get("capture", ()))
+    expected = [sum(len(unpack_positions(c.positions)) * len(c.sites) for c in r.payload.capture) if r.payload else 0
                 for r in plan.requests]
     return {"requests": len(rows), "rows": sum(rows), "rows_per_request": [min(rows), max(rows)],
             "expected_rows_per_request": [min(expected), max(expected)], "bad": bad[:8], "ok": not bad}

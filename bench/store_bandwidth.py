@@ -116,9 +116,9 @@ def synthetic_results(plan, hidden: int, values: str, seed: int) -> dict:
     results = {}
     for request in plan.requests:
         captures = {}
-        for sites, packed, _ in request.payload["capture"]:
-            positions = unpack_positions(packed).astype(np.int32)
-            for site in sites:
+        for capture in request.payload.capture:
+            positions = unpack_positions(capture.positions).astype(np.int32)
+            for site in capture.sites:
                 v = rng.standard_normal((len(positions), hidden), dtype=np.float32)
                 if values == "bfloat16":  # what a bf16 engine hands over: float32 with bf16's 16 bits
                     v.view(np.uint32)[...] &= np.uint32(0xFFFF0000)

@@ -148,7 +148,7 @@ ds = xr.open_zarr(sys.argv[1], consolidated=False)
 wall, t = int(sys.argv[2]) / 1000, ds.attrs["timings"]
 runs = int(np.isfinite(ds["restored_logprob_samples"].values).sum())  # (cell, noise sample) runs with a result
 samples = ds.sizes["sample"]
-print(f"70B causal trace: {ds.sizes.get('fact', '?')} facts x {ds.sizes.get('kind', '?')} kinds x "
+print(f"70B causal trace: {ds.sizes.get('fact', '?')} facts x {ds.sizes.get('component', '?')} components x "
       f"{ds.attrs['model']['num_layers']} layers: {runs // samples} cells x {samples} noise samples, "
       f"voided {len(ds.attrs.get('voided', []))}; process wall {wall:.1f} s (engine start {t.get('engine_s')} s, "
       f"run {t.get('run_s')} s): {runs // samples / wall:.1f} cells/s whole, "

@@ -20,13 +20,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from interp_runner import run_log
+from interp_runner import run_log, shipped
 from interp_runner.cli_errors import COMMAND_LINE_ERRORS, explain
 from interp_runner.config import ConfigError
 from interp_runner.config.errors import EXIT_CODE
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-EXPERIMENTS_DIR = str(Path(__file__).resolve().parent.parent / "experiments")
+CONF_DIR, EXPERIMENTS_DIR = str(shipped.CONF_DIR), str(shipped.EXPERIMENTS_DIR)
 
 OmegaConf.register_new_resolver("experiments_dir", lambda: EXPERIMENTS_DIR, replace=True)
 

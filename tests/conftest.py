@@ -198,6 +198,19 @@ def rel_err(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
+def ieee_float32_dots(tmp_path_factory):
+    """Float32 dots in Triton kernels at IEEE precision for the engines a module starts after this. vLLM's Triton
+    attention and fused-MoE kernels take Triton's default for float32 ``tl.dot``, TF32, which puts a float32 GPU
+    engine ~1e-3 off plain HF float32; with IEEE dots the CPU tests' tolerances (1e-4) hold on the GPU. A fresh
+    Triton cache keeps kernels compiled with TF32 out; run such a module in a pytest process of its own, as
+    kernels a process compiled before stay in memory."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_F32_DEFAULT", "ieee")
+        mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_ieee")))
+        yield
+
+
+@pytest.fixture(scope="module")
 def cached_tokenizers():
     """prepare() loads the tokenizer on every call (~0.4 s): load each one once for the module using this."""
     import functools

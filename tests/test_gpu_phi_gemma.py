@@ -1,7 +1,8 @@
 """Phi-3, Gemma 2 and Gemma 3 on a CUDA GPU as production runs them (torch.compile, CUDA graphs, vLLM's fused
-add+norm kernels that update the residual in place), in float32 so that plain HF transformers hooks on the CPU
-(``hf_sandwich_oracle``) stay the reference at the CPU tests' tolerances: the CPU family tests
-(``test_families_phi_gemma``), run here on a GPU engine of each family."""
+add+norm kernels that update the residual in place), in float32 with IEEE float32 dots in Triton kernels
+(``ieee_float32_dots``), so that plain HF transformers hooks on the CPU (``hf_sandwich_oracle``) stay the reference
+at the CPU tests' tolerances: the CPU family tests (``test_families_phi_gemma``), run here on a GPU engine of each
+family."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ FAMILIES = ("tiny_phi3", "tiny_gemma2", "tiny_gemma3")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
+def family(request, ieee_float32_dots):
     """(name, path, hidden size, a compiled float32 GPU engine with every op at every site)."""
     path = model_path(request.param)
     sites = every_site(LAYERS)

@@ -43,23 +43,25 @@ def serve_command(*overrides: str) -> list[str]:
     return [sys.executable, "-c", code, *overrides]
 
 
-def start_server(overrides: list[str], port: int, log) -> subprocess.Popen:
-    """``interp-serve`` in a process of its own, once its /health answers."""
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(serve_command(*overrides), stdout=log, stderr=subprocess.STDOUT, env=env,
+def start_server(overrides: list[str], port: int, log, command: list[str] | None = None,
+                 env: dict | None = None) -> subprocess.Popen:
+    """``interp-serve`` (or ``command``) in a process of its own, once its /health answers."""
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    name = "the server" if command else "interp-serve"
+    proc = subprocess.Popen((command or serve_command()) + overrides, stdout=log, stderr=subprocess.STDOUT, env=env,
                             cwd=str(Path(__file__).resolve().parent.parent))
     deadline = time.time() + START_TIMEOUT
     while True:
         if proc.poll() is not None:
             log.seek(0)
-            pytest.fail(f"interp-serve exited {proc.returncode}:\n{log.read()[-4000:]}")
+            pytest.fail(f"{name} exited {proc.returncode}:\n{log.read()[-4000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return proc
         except (urllib.error.URLError, ConnectionError, OSError):
             if time.time() > deadline:
                 proc.kill()
-                pytest.fail("interp-serve did not start")
+                pytest.fail(f"{name} did not start")
             time.sleep(0.5)
 
 
@@ -218,9 +220,9 @@ def _mix(n: int, seed: int = 0) -> list[dict]:
     return requests
 
 
-async def _complete(aclient, request: dict):
+async def _complete(aclient, request: dict, model: str = "tiny_random"):
     extra = {"interp": request["interp"]} if request["interp"] is not None else None
-    r = await aclient.completions.create(model="tiny_random", prompt=request["prompt"],
+    r = await aclient.completions.create(model=model, prompt=request["prompt"],
                                          max_tokens=request["max_tokens"], temperature=0, logprobs=1, extra_body=extra)
     return r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs, r.model_extra.get("interp")
 
@@ -453,50 +455,3 @@ def test_capture_beyond_float16_is_sent_as_float32():
     np.testing.assert_array_equal(values_of(entry), values)
     entry = result_json(compiled, {"captures": {4: (np.array([3], np.int32), values / 1e3)}})["captures"][0]
     assert entry["dtype"] == "float16"
-
-
-@pytest.mark.gpu
-def test_gpu_compiled_server_matches_hf(tmp_path, smollm2_path):
-    """On a GPU the server compiles and captures CUDA graphs with the served sites: a steered request's captured
-    stream and answer score still match HF hooks (bfloat16 tolerance), concurrent requests equal each alone."""
-    import openai
-    from transformers import AutoTokenizer
-
-    port = free_port()
-    with open(tmp_path / "server.log", "w+") as log:
-        proc = start_server(["model=smollm2_135m", "engine.dtype=float32", "engine.enforce_eager=false",
-                             "engine.gpu_memory_utilization=0.3",
-                             "--", "--port", str(port)], port, log)
-        try:
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-            hidden = 576
-            vec = np.random.default_rng(0).standard_normal(hidden).astype(np.float32)
-            prompt = "The Eiffel Tower is located in the city of"
-            interp = {"steering": {"base": {"post_block": {"layer": 10, "vector": vec.tolist(), "scale": 0.5}}},
-                      "capture": {"layers": [20], "dtype": "float32"}, "answer": " Paris"}
-            r = client.completions.create(model="smollm2_135m", prompt=prompt, max_tokens=1, temperature=0,
-                                          extra_body={"interp": interp})
-            ids = AutoTokenizer.from_pretrained(str(smollm2_path))(prompt)["input_ids"]
-            logits, acts = forward(smollm2_path, ids, {(10, "post_block"): 0.5 * vec})
-            result = r.model_extra["interp"]
-            got, want = values_of(result["captures"][0])[0], acts[(20, "post_block")][-1]
-            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.03
-            lp = torch.log_softmax(logits[-1], -1)
-            assert abs(result["score"]["answer"]["logprob"] - float(lp[result["score"]["answer"]["token_id"]])) < 0.1
-
-            async def both():
-                aclient = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-                requests = [{"prompt": prompt, "max_tokens": 8, "interp": interp if i % 2 else None}
-                            for i in range(32)]
-                together = await asyncio.gather(*(_complete(aclient, q) for q in requests))
-                alone = [await _complete(aclient, q) for q in requests[:2]]
-                await aclient.close()
-                return together, alone
-
-            together, alone = asyncio.run(both())
-            assert all(t[0] == alone[i % 2][0] for i, t in enumerate(together))
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=120) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()

@@ -31,8 +31,8 @@ from interp_runner.engine.kernel_path import cpu_info
 from interp_runner.models.facts import ModelFacts
 from interp_runner.payload import plugin_fingerprint
 from interp_runner.compile.plan import Plan
+from interp_runner.shipped import EXPERIMENTS_DIR
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
 PACKAGES = ("torch", "triton", "transformers", "zarr", "xarray", "numpy", "pydantic", "hydra-core")
 
 
