@@ -15,8 +15,8 @@ run:              ## causal tracing on the embedded SmolLM2
 test:             ## the whole CPU test suite
 	$(PY) -m pytest -q
 
-test-fast:        ## unit tests only (no engine, no command-line tool run as a process)
-	$(PY) -m pytest -q -m "not engine and not cli"
+test-fast:        ## unit tests only (no engine, no process of its own, nothing slow)
+	$(PY) -m pytest -q -m "not engine and not cli and not slow"
 
 golden:           ## regenerate the golden stores experiments/golden/*.zarr (tiny_random)
 	bash scripts/make_golden.sh

@@ -512,7 +512,8 @@ def test_there_are_experiments():
     assert {"steering_demo", "steering_smoke"} <= set(EXPERIMENTS)
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "causal_trace_full" else n
+                                  for n in EXPERIMENTS])  # the full trace's plan: 100k requests, twice
 def test_experiment_composes_and_compiles(name):
     import interp_runner.cli  # noqa: F401  registers the experiments_dir resolver
     from hydra import compose, initialize_config_dir

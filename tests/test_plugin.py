@@ -8,6 +8,8 @@ import subprocess
 import sys
 from types import SimpleNamespace as NS
 
+import pytest
+
 from interp_runner.payload import EngineSpec, plugin_fingerprint
 
 PROBE = """
@@ -40,6 +42,7 @@ def probe(enabled: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.cli
 def test_plugin_is_inert_unless_enabled():
     inert = probe(enabled=False)
     assert inert["entry_point"] == ["interp_runner.plugin:register"]
@@ -47,6 +50,7 @@ def test_plugin_is_inert_unless_enabled():
     assert not inert["cpu_warm_up_patched"]
 
 
+@pytest.mark.cli
 def test_plugin_instruments_when_enabled():
     active = probe(enabled=True)
     assert active["layers_patched"] and active["qwen3_patched"] and active["runner_patched"] and active["op"]
@@ -531,7 +535,6 @@ def test_a_request_of_many_patch_entries_gets_the_entries_a_few_would(monkeypatc
     plain path gives, and a site the engine lacks is refused the same way."""
     import msgspec
     import numpy as np
-    import pytest
     import torch
 
     from interp_runner.contracts import PatchColumns

@@ -104,6 +104,7 @@ def routed(verbose: bool, tmp_path) -> tuple[str, str]:
     return proc.stdout + proc.stderr, log.read_text()
 
 
+@pytest.mark.cli
 def test_quiet_console_says_what_matters_in_the_runners_words(tmp_path):
     console, log = routed(False, tmp_path)
     assert "Resolved architecture" not in console and "a torch warning" not in console
@@ -116,6 +117,7 @@ def test_quiet_console_says_what_matters_in_the_runners_words(tmp_path):
     assert "after the run" not in log  # the run's log is complete once it ended
 
 
+@pytest.mark.cli
 def test_verbose_shows_every_library_line(tmp_path):
     console, log = routed(True, tmp_path)
     assert re.search(r"^INFO \d\d-\d\d [\d:]+ \[<string>:\d+\] Resolved architecture: LlamaForCausalLM$", console,

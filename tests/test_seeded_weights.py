@@ -3,7 +3,8 @@ tensor-parallel size holds the same weights, and they are the ones the seeding r
 
 The oracle rebuilds every tensor with an independent implementation of that rule (numpy's wrapping uint32
 arithmetic, not the product's overflow-free int64 torch code), loads them into a plain HF model and compares its
-log-probabilities and layer outputs with an engine run at float32.
+log-probabilities and layer outputs with an engine run at float32. The runs at TP = 1 and TP = 2 go with the
+session's other TP runs (``support.tp_jobs.TP_RUNS``): one process per TP size.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import base_config
-from test_tensor_parallel import run_tp
+from support.tp_jobs import TP_RUNS
 
 pytestmark = pytest.mark.engine
 
@@ -26,17 +27,23 @@ PROMPTS = ["The Eiffel Tower is located in the city of", "The Big Ben clock is l
            "The capital of France is"]
 
 
-@pytest.fixture(scope="module")
-def config_only_folder(tmp_path_factory, tiny_path):
-    """tiny_random's config.json and tokenizer files, without its weights."""
-    from interp_runner.models.materialize import TOKENIZER_FILES
+def without_weights(folder):
+    """``folder`` made (if it is not there) with tiny_random's config.json and tokenizer files, without its weights."""
+    from interp_runner.models.materialize import TOKENIZER_FILES, model_path
 
-    folder = tmp_path_factory.mktemp("seeded_model")
-    for name in ("config.json", "generation_config.json", *TOKENIZER_FILES):
-        if (tiny_path / name).exists():
-            shutil.copy2(tiny_path / name, folder / name)
+    if not folder.exists():
+        tiny_path = model_path("tiny_random")
+        folder.mkdir()
+        for name in ("config.json", "generation_config.json", *TOKENIZER_FILES):
+            if (tiny_path / name).exists():
+                shutil.copy2(tiny_path / name, folder / name)
     assert not list(folder.glob("*.safetensors"))
     return folder
+
+
+@pytest.fixture(scope="module")
+def config_only_folder(tmp_path_factory):
+    return without_weights(tmp_path_factory.mktemp("seeded_model") / "seeded")
 
 
 def seeded_config(folder, tp: int, store: str) -> dict:
@@ -54,14 +61,14 @@ def seeded_config(folder, tp: int, store: str) -> dict:
     }
 
 
+TP_RUNS.add("seeded", lambda tp, store, tmp: seeded_config(without_weights(tmp / "seeded_model"), tp, store))
+
+
 @pytest.fixture(scope="module")
-def stores(tmp_path_factory, config_only_folder):
-    tmp = tmp_path_factory.mktemp("seeded_runs")
-    made = lambda tp, store: seeded_config(config_only_folder, tp, store)  # noqa: E731
-    out = {1: run_tp(1, tmp, make_config=made)}
-    if len(os.sched_getaffinity(0)) >= 2:
-        out[2] = run_tp(2, tmp, make_config=made)
-    return out
+def stores(tmp_path_factory):
+    """{tp: the seeded config's store} (TP = 2 where there are two cores)."""
+    runs = TP_RUNS.stores(tmp_path_factory)
+    return {tp: runs[tp]["seeded"] for tp in (1, 2) if tp in runs}
 
 
 # -- the seeding rule, written again -------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Runs a list of experiment configs in one fresh process per tensor-parallel size, as production runs them: one
 engine pool, consecutive configs with the same model and engine settings sharing one engine built first with the
 union of their sites (their TP workers never forked from the test process); and the checks the GPU TP tests make of
-the stores those runs write."""
+the stores those runs write. ``TP_RUNS`` runs the configs test modules add when imported at TP = 1 and TP = 2 that
+way, once for the session."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from interp_runner.engine.settings import on_gpu
 from interp_runner.pipeline import prepare, run
 if __name__ == "__main__":
     jobs = json.loads(Path(sys.argv[1]).read_text())
+    closed = Path(sys.argv[2]) if len(sys.argv) > 2 else None  # where the last engine's processes are reported
     pool = EnginePool(log=print)
     groups = []
     for job in jobs:
@@ -52,23 +54,33 @@ if __name__ == "__main__":
             for config, run_dir in group:
                 run(config, Path(run_dir), engines=pool)
     finally:
+        if closed is not None:  # the last engine's processes: their names, and those still running after close
+            import psutil
+            processes = [psutil.Process(pid) for pid in getattr(pool.engine, "processes", ())]
+            names = sorted(p.name() for p in processes)
         pool.close()
+        if closed is not None:
+            alive = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            closed.write_text(json.dumps({"names": names, "alive": alive}))
     print("builds", pool.builds, "runs", pool.runs)
 """
 
 
 def run_jobs(tmp: Path, tp: int, jobs: list[tuple[dict, Path]], timeout: float = 900,
-             report: Callable[[str], None] | None = None) -> None:
-    """Run ``jobs`` (config, run dir) in order in one process at tensor-parallel size ``tp``; fails the test with
-    the first error of the process's log (kept as ``tmp/tp<tp>.log``)."""
+             report: Callable[[str], None] | None = None, extra_env: dict[str, str] | None = None,
+             closed: Path | None = None) -> None:
+    """Run ``jobs`` (config, run dir) in order in one process at tensor-parallel size ``tp``, ``extra_env`` added to
+    its environment; fails the test with the first error of the process's log (kept as ``tmp/tp<tp>.log``). With
+    ``closed``, the process writes there the names of its last engine's processes and those of them still running
+    once the engine is closed (JSON: ``names``, ``alive``)."""
     spec = tmp / f"jobs{tp}.json"
     spec.write_text(json.dumps([[cfg, str(run_dir)] for cfg, run_dir in jobs]))
     # the repository first, then the environment's own path (where packages may come from PYTHONPATH)
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor{tp}")}
-    out = subprocess.run([sys.executable, "-c", RUNNER, str(spec)], env=env, cwd=tmp, capture_output=True,
-                         text=True, timeout=timeout)
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor{tp}"), **(extra_env or {})}
+    args = [sys.executable, "-c", RUNNER, str(spec), *([str(closed)] if closed is not None else [])]
+    out = subprocess.run(args, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
     log = tmp / f"tp{tp}.log"
     log.write_text(out.stdout + out.stderr)
     if report is not None:
@@ -79,6 +91,54 @@ def run_jobs(tmp: Path, tp: int, jobs: list[tuple[dict, Path]], timeout: float =
         first = next((i for i, line in enumerate(lines) if "Traceback" in line or "Error" in line), len(lines))
         pytest.fail(f"TP = {tp} run failed (whole log: {log}); first error:\n" + "\n".join(lines[first:first + 60])
                     + "\n...\n" + "\n".join(lines[-30:]))
+
+
+def bound_ranks(tp: int) -> dict[str, str]:
+    """The environment binding each of ``tp`` CPU ranks to a core of its own (none at TP = 1; a GPU ignores it)."""
+    cores = sorted(os.sched_getaffinity(0))[:tp]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in cores)} if tp > 1 else {}
+
+
+class TpRuns:
+    """Configs that test modules add when imported (``add``: a name and a function of TP size, store path and run
+    folder giving the config), run on first ``stores``: all at TP = 1 in one process, then at TP = 2 in another
+    where there are two cores (``run_jobs``, ranks bound to their own cores), configs with the same model and engine
+    settings on one engine. Only the modules a session collects add theirs, so a session runs the processes once for
+    all of them."""
+
+    def __init__(self):
+        self.configs: dict[str, Callable[[int, str, Path], dict]] = {}
+        self.found: dict | None = None
+        self.failure: str | None = None
+
+    def add(self, name: str, make: Callable[[int, str, Path], dict]) -> None:
+        self.configs[name] = make
+
+    def stores(self, tmp_path_factory) -> dict:
+        """{tp: {config name: store}}, and under "closed" what the TP = 2 process saw of its last engine's
+        processes when it closed that engine after its runs (``run_jobs``'s ``closed``)."""
+        if self.failure is not None:  # the session's runs failed once already
+            pytest.fail(self.failure)
+        if self.found is None:
+            tmp = tmp_path_factory.mktemp("tp_runs")
+            found = {}
+            try:
+                for tp in (1, 2) if len(os.sched_getaffinity(0)) >= 2 else (1,):
+                    jobs = [(make(tp, str(tmp / f"{name}{tp}.zarr"), tmp), tmp / f"run_{name}{tp}")
+                            for name, make in self.configs.items()]
+                    run_jobs(tmp, tp, jobs, extra_env=bound_ranks(tp), closed=tmp / "closed.json" if tp > 1 else None)
+                    found[tp] = {name: xr.open_zarr(tmp / f"{name}{tp}.zarr", consolidated=False)
+                                 for name in self.configs}
+            except pytest.fail.Exception as failed:
+                self.failure = str(failed)
+                raise
+            if 2 in found:
+                found["closed"] = json.loads((tmp / "closed.json").read_text())
+            self.found = found
+        return self.found
+
+
+TP_RUNS = TpRuns()
 
 
 def report(line: str) -> None:
