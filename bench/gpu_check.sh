@@ -23,6 +23,10 @@
 # bench/store_bandwidth.py options), TEST_FILES.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
 #
+# runners: every one-GPU test file under V1 and under V2 (VLLM_USE_V2_MODEL_RUNNER=0 / 1), the eight (runner, file
+# group) jobs spread over the visible GPUs side by side (4 GPUs: two jobs each, ~10 minutes), logs pytest_v1_*.log and
+# pytest_v2_*.log. RUNNER_ONLY="gpu trace" keeps those groups (gpu, trace, families, serve): on one GPU, a few a call.
+#
 # Two GPUs (nvidia-h100-x2):  bash bench/gpu_check.sh setup tp bench-tp sweep tp-cpu-tests
 # tp (tests/test_gpu_tensor_parallel.py: TP = 2 against TP = 1, compiled, float32 and teacher-forced bfloat16),
 # bench-tp (bench/steer_overhead.py on the 8B shape, interp engine at TP = 1 then TP = 2; TP_BENCH_ARGS),
@@ -82,6 +86,7 @@ main() {
       tp-cpu-tests) TEST_FILES=tests/test_tensor_parallel.py TEST_MARK=engine TEST_LOG=pytest_tp_cpu \
         stage_tests "$budget" || rc=$? ;;
       bench-tp) stage_bench_tp "$budget" || rc=$? ;;
+      runners) stage_runners "$budget" || rc=$? ;;
       sweep) timeout -k 10 $(( budget - 5 )) bash bench/sweep_wall.sh "$OUT/sweep_wall.json" ${SWEEP_ARGS:-} || rc=$? ;;
       kernels) timeout -k 10 $(( budget - 5 )) $PY bench/kernels.py --json "$OUT/kernels.json" || rc=$? ;;
       bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --repeats "${TRACE_REPEATS:-5}" \
@@ -154,13 +159,44 @@ EOF
 }
 
 stage_tests() {
-  local budget=$1 log=$OUT/${TEST_LOG:-pytest}.log
-  [ "${TEST_LOG:-pytest}" = pytest ] && rm -f "$OUT/gpu_test_report.txt"
-  INTERP_GPU_REPORT="$OUT/gpu_test_report.txt" timeout -k 10 $(( budget - 5 )) \
+  local budget=$1 log=$OUT/${TEST_LOG:-pytest}.log report=$OUT/${TEST_REPORT:-gpu_test_report.txt}
+  [ "${TEST_LOG:-pytest}" = pytest ] && rm -f "$report"
+  INTERP_GPU_REPORT="$report" timeout -k 10 $(( budget - 5 )) \
     $PY -m pytest -q -m "${TEST_MARK:-gpu}" -p no:cacheprovider --durations=8 \
     ${TEST_FILES:-tests/test_kernels.py tests/test_gpu.py} 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
-  [ -f "$OUT/gpu_test_report.txt" ] && cat "$OUT/gpu_test_report.txt"
+  [ -f "$report" ] && cat "$report"
+  return "$rc"
+}
+
+# every one-GPU test file under both model runners, the (runner, files) jobs spread over the visible GPUs: each GPU runs
+# its jobs in turn, the GPUs side by side; each job's log is pytest_<runner>_<group>.log
+RUNNER_GROUPS=("gpu:tests/test_gpu.py tests/test_kernels.py"
+               "trace:tests/test_gpu_trace.py tests/test_gpu_nonfinite.py tests/test_verify_derived.py tests/test_run_log.py"
+               "families:tests/test_gpu_phi_gemma.py tests/test_gpu_gpt_moe.py"
+               "serve:tests/test_gpu_serve.py")
+stage_runners() {
+  local budget=$1 gpus=() jobs=() i=0 rc=0 pids=() t_lanes=$SECONDS
+  IFS=, read -r -a gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)}"
+  local runner group
+  for group in "${RUNNER_GROUPS[@]}"; do
+    [ -n "${RUNNER_ONLY:-}" ] && [[ " $RUNNER_ONLY " != *" ${group%%:*} "* ]] && continue
+    for runner in 0 1; do jobs+=("$runner:$group"); done
+  done
+  for (( g = 0; g < ${#gpus[@]}; g++ )); do
+    (
+      local j code=0
+      for (( j = g; j < ${#jobs[@]}; j += ${#gpus[@]} )); do
+        IFS=: read -r runner name files <<< "${jobs[$j]}"
+        CUDA_VISIBLE_DEVICES=${gpus[$g]} VLLM_USE_V2_MODEL_RUNNER=$runner TEST_FILES="$files" \
+          TEST_LOG="pytest_v$(( runner + 1 ))_$name" TEST_REPORT="gpu_test_report_v$(( runner + 1 ))_$name.txt" \
+          stage_tests $(( budget - (SECONDS - t_lanes) )) > /dev/null 2>&1 || code=1
+      done
+      exit $code
+    ) &
+    pids+=($!)
+  done
+  for i in "${pids[@]}"; do wait "$i" || rc=1; done
   return "$rc"
 }
 
