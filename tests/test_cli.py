@@ -13,6 +13,7 @@ import zarr
 
 from conftest import REPO
 from support import inprocess
+from support.smoke_process import smoke_process
 
 pytestmark = pytest.mark.engine
 
@@ -29,17 +30,16 @@ def interp_run(*args, cwd=REPO):
 
 
 @pytest.mark.cli
-def test_cli_run_writes_a_complete_store(tmp_path):
-    store = tmp_path / "smoke.zarr"
-    proc = interp_run(
-        "+experiment=steering_smoke", "model=tiny_random", "engine=eager",
-        f"store.path={store}", f"hydra.run.dir={tmp_path / 'run'}",
-    )
+def test_cli_run_writes_a_complete_store(tmp_path_factory):
+    """``interp-run +experiment=steering_smoke`` as a process of its own (the session's one, shared with
+    tests/test_run_log.py: ``support.smoke_process``)."""
+    smoke = smoke_process(tmp_path_factory)
+    proc, store, folder = smoke.proc, smoke.store, smoke.folder
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the store and its report, each said once
     assert proc.stdout.count(f"store: {store}") == 1, proc.stdout
-    assert proc.stdout.count(f"report: {tmp_path / 'smoke.zarr.report.html'}") == 1, proc.stdout
-    assert (tmp_path / "smoke.zarr.report.html").is_file()
+    assert proc.stdout.count(f"report: {folder / 'smoke.zarr.report.html'}") == 1, proc.stdout
+    assert (folder / "smoke.zarr.report.html").is_file()
 
     ds = xr.open_zarr(str(store), consolidated=False)
     attrs = dict(zarr.open_group(str(store), mode="r").attrs)

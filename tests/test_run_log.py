@@ -5,7 +5,6 @@ log; ``-v`` shows them on the console; a user's file at the log's place is never
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import zarr
 from conftest import REPO
 from interp_runner.config import ConfigError
 from interp_runner.pipeline import run
+from support.smoke_process import smoke_process
 from test_store import store_config
 from test_store_safety import NoEngine
 
@@ -35,12 +35,12 @@ def interp_run(*args, cwd=REPO, env=None):
 
 @pytest.mark.engine
 @pytest.mark.cli
-def test_console_shows_the_runner_and_the_log_keeps_every_process(tmp_path):
+def test_console_shows_the_runner_and_the_log_keeps_every_process(tmp_path_factory):
     """One engine run, its core in a process of its own (as with tensor parallelism): nothing of vLLM's or torch's
-    on the console, all of it (the engine core's included) in the log file the store lists beside it."""
-    store = tmp_path / "quiet.zarr"
-    proc = interp_run("+experiment=steering_smoke", "model=tiny_random", "engine=eager", f"store.path={store}",
-                      f"hydra.run.dir={tmp_path / 'run'}", env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    on the console, all of it (the engine core's included) in the log file the store lists beside it. The run is the
+    session's one, shared with tests/test_cli.py (``support.smoke_process``)."""
+    smoke = smoke_process(tmp_path_factory)
+    proc, store, tmp_path = smoke.proc, smoke.store, smoke.folder
     assert proc.returncode == 0, proc.stderr[-3000:]
     console = proc.stdout + proc.stderr
     assert not LIBRARY_LINE.findall(console), console
@@ -48,7 +48,7 @@ def test_console_shows_the_runner_and_the_log_keeps_every_process(tmp_path):
     assert "Loading safetensors checkpoint shards" not in console  # vLLM's load bar
     for line in ("plan: 3 requests", "engine started on", "stage 0: 3 requests"):
         assert line in proc.stdout, proc.stdout
-    log = tmp_path / "quiet.zarr.log"
+    log = tmp_path / "smoke.zarr.log"
     for said in (f"store: {store}", f"report: {store}.report.html", f"log: {log}"):
         assert proc.stdout.count(said) == 1, proc.stdout
 

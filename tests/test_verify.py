@@ -3,17 +3,14 @@ reruns on another CPU kernel path (teacher-forced, within tolerance, yet failing
 tolerance rules on small hand-made stores.
 
 Three engine starts in all, at most: the store (``interp-run`` on tiny_random, on the session's shared engine) and
-its rerun (``interp-verify --rerun``), both through their ``main`` in this process (``support.inprocess``), and a
-rerun in a process of its own with oneDNN's GEMMs capped to SSE4.1 (``ONEDNN_MAX_CPU_ISA``, read once per process):
-other kernels, other float32 sums.
+its rerun (``interp-verify --rerun``), both through their ``main`` in this process (``support.inprocess``), and the
+reruns of the store and of a changed copy in one process of its own with oneDNN's GEMMs capped to SSE4.1
+(``ONEDNN_MAX_CPU_ISA``, read once per process): other kernels, other float32 sums.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +24,7 @@ from interp_runner import verify
 from interp_runner.engine.kernel_path import CPU_KERNEL_KEYS
 from interp_runner.verify import EXIT_ERROR, EXIT_MATCH, EXIT_MISMATCH, main
 from support.inprocess import Completed, interp_run, interp_verify
+from support.rerun_process import verify_reruns
 
 PERTURBED = (1, 1, 2, 0, 17)  # request, last_hook, last_layer, last_slot, hidden
 OTHER_KERNELS = {"ONEDNN_MAX_CPU_ISA": "SSE41"}  # this CPU computing as one without AVX2 would (GEMMs)
@@ -59,14 +57,6 @@ def store(tmp_path_factory) -> Path:
     return path
 
 
-def verify_rerun(store: Path, out: Path, **env) -> subprocess.CompletedProcess:
-    """In a process of its own: ``env`` must be there before the process's first GEMM."""
-    return subprocess.run(
-        [sys.executable, "-m", "interp_runner.verify", str(store), "--rerun", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **env},
-    )
-
-
 @pytest.fixture(scope="module")
 def rerun(store, tmp_path_factory) -> tuple[Completed, Path]:
     out = tmp_path_factory.mktemp("rerun")
@@ -74,9 +64,22 @@ def rerun(store, tmp_path_factory) -> tuple[Completed, Path]:
 
 
 @pytest.fixture(scope="module")
-def other_kernels_rerun(store, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("other-kernels")
-    return verify_rerun(store, out, **OTHER_KERNELS), out / "results.zarr"
+def other_kernels_reruns(store, tmp_path_factory) -> dict[str, tuple[Completed, Path]]:
+    """Reruns on other kernels, in one process: ``store``'s, and that of a copy of it (``changed``) whose decode
+    steering of prompt 2 is scaled by 1.1 instead of 1."""
+    tmp = tmp_path_factory.mktemp("other-kernels")
+    changed = copy(store, tmp, "changed.zarr")
+    config = yaml.safe_load(attrs_of(changed)["config_yaml"])
+    config["steering"]["request"][1]["decode"]["pre_attn"]["scale"] = -1.1
+    set_attrs(changed, config_yaml=yaml.safe_dump(config, sort_keys=True))
+    outs = {"store": tmp / "store", "changed": tmp / "changed"}
+    procs = verify_reruns([(store, outs["store"]), (changed, outs["changed"])], tmp / "reruns.json", **OTHER_KERNELS)
+    return {name: (proc, outs[name] / "results.zarr") for name, proc in zip(outs, procs)}
+
+
+@pytest.fixture(scope="module")
+def other_kernels_rerun(other_kernels_reruns) -> tuple[Completed, Path]:
+    return other_kernels_reruns["store"]
 
 
 def copy(store: Path, tmp_path: Path, name: str = "copy.zarr") -> Path:
@@ -204,14 +207,10 @@ def test_rerun_on_other_kernels_is_teacher_forced_and_within_tolerance(other_ker
 
 
 @pytest.mark.engine
-def test_rerun_on_other_kernels_still_fails_on_a_real_change(store, tmp_path):
+def test_rerun_on_other_kernels_still_fails_on_a_real_change(other_kernels_reruns):
     """Decode steering of prompt 2 scaled by 1.1 instead of 1: its forced tokens' log-probabilities move beyond the
     tolerance, while its first token (before any decode steering) does not."""
-    changed = copy(store, tmp_path)
-    config = yaml.safe_load(attrs_of(changed)["config_yaml"])
-    config["steering"]["request"][1]["decode"]["pre_attn"]["scale"] = -1.1
-    set_attrs(changed, config_yaml=yaml.safe_dump(config, sort_keys=True))
-    proc = verify_rerun(changed, tmp_path / "out", **OTHER_KERNELS)
+    proc, _ = other_kernels_reruns["changed"]
     assert proc.returncode == EXIT_MISMATCH, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "teacher-forced" in proc.stdout
     row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("logprob "))
