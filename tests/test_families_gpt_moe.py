@@ -11,19 +11,18 @@ import pytest
 import torch
 
 from support import hf_gpt_moe_oracle as family_oracle
-from conftest import BANK_ROWS, KV_ROWS, KV_RUNS, REPO, base_config, build_engine, rel_err, run_config, run_plan
+from conftest import BANK_ROWS, KV_ROWS, KV_RUNS, base_config, build_engine, rel_err, run_config, run_plan
 from interp_runner.config import ConfigError
-from interp_runner.kinds.causal_trace.grids import trace_dataset
 from interp_runner.models.facts import ModelFacts, UnsupportedModel
 from interp_runner.models.layouts import layout_for
 from interp_runner.models.materialize import model_path
 from interp_runner.pipeline import prepare
 from interp_runner.sites import site_id
 from interp_runner.vectors.load import random_direction
+from support.family_trace import FACTS, check_trace_grid
 
 FAMILIES = ("tiny_gpt2", "tiny_pythia", "tiny_qwen3_moe")
 PROMPTS = ["The Eiffel Tower is located in the city of", "Hello, my name is", "1 2 3 4 5", "def main():"]
-FACTS = REPO / "experiments" / "causal_trace" / "facts.jsonl"
 LAYERS = 4
 
 
@@ -245,29 +244,8 @@ def test_patching_at_every_hook_mixes_as_hf_hooks_do(family):
 @pytest.mark.engine
 @pytest.mark.parametrize("pack", [False, True], ids=["cells-alone", "cells-packed"])
 def test_trace_grid_matches_hf_hooks(family, pack):
-    name, path, hooks, engine = family
-    layers, window = [0, 2, 3], 2
-    config = {"model": {"name": name}, "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
-                                                  "pack_cells": pack},
-              "prompts": {"items": []},
-              "causal_trace": {"facts": str(FACTS), "num_facts": 1, "noise": {"samples": 1, "seed": 1},
-                               "layers": layers, "window": window, "plots": False, "filter": False}}
-    kept, engine.pack_cells = engine.pack_cells, pack
-    try:
-        plan, results = run_plan(engine, config)
-    finally:
-        engine.pack_cells = kept
-    ds = trace_dataset(plan, results)
-    assert ds.attrs["voided"] == []
-    for fact in plan.layout.facts:
-        f, n = fact.index, len(fact.clean.token_ids)
-        cells = [(k, lay, t) for k in plan.layout.components for lay in layers for t in range(n)]
-        want, want_corrupt = family_oracle.trace(path, list(fact.clean.token_ids), list(fact.subject_positions),
-                                                 ds["noise"].values[f, 0, : len(fact.subject_positions)],
-                                                 fact.clean.answer_ids[0], cells, window)
-        got = np.array([float(ds["restored_logprob_samples"].sel(component=k, layer=lay).values[f, t, 0])
-                        for k, lay, t in cells])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=name)
-        assert float(ds["corrupt_logprob_samples"].values[f, 0]) == pytest.approx(want_corrupt, abs=1e-4)
-        assert np.ptp(want) > 1e-2  # restores move the answer
+    """ROME's grid (noise on layer 0's input at the subject, as the model scales its embeddings; clean values put
+    back per component, layer and token) matches plain HF hooks, with cells as requests of their own and packed."""
+    name, path, _, engine = family
+    check_trace_grid(name, path, engine, pack, family_oracle.trace)
 

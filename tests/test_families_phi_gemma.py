@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from support import hf_sandwich_oracle as oracle
-from conftest import ALL_HOOKS, BANK_ROWS, KV_ROWS, KV_RUNS, REPO, base_config, build_engine, every_site, rel_err
+from conftest import ALL_HOOKS, BANK_ROWS, KV_ROWS, KV_RUNS, base_config, build_engine, every_site, rel_err
 from conftest import run_config, run_plan
-from interp_runner.kinds.causal_trace.grids import trace_dataset
+from support.family_trace import check_trace_grid
 from interp_runner.models.materialize import model_path
 from interp_runner.sites import site_id
 from interp_runner.vectors.load import random_direction
@@ -26,7 +26,6 @@ LAYERS = 4
 PROMPTS = ["The Eiffel Tower is located in the city of", "Once upon a time there was a small red fox",
            "def main(): return 1 + 2 + 3", "The capital of France is a city called"]
 CLEAN, CORRUPT = "The Eiffel Tower is located in the city of", "The Big Ben clock is located in the city of"
-FACTS = REPO / "experiments" / "causal_trace" / "facts.jsonl"
 
 
 def config(name, prompts=PROMPTS, **parts) -> dict:
@@ -135,31 +134,7 @@ def test_trace_grid_matches_hf_hooks(family, pack):
     """ROME's grid (noise on layer 0's input at the subject, as the model scales its embeddings; clean values put
     back per component, layer and token) matches plain HF hooks, with cells as requests of their own and packed."""
     name, path, _, engine = family
-    layers, window = [0, 2, 3], 2
-    config = {"model": {"name": name}, "engine": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
-                                                  "pack_cells": pack},
-              "prompts": {"items": []},
-              "causal_trace": {"facts": str(FACTS), "num_facts": 1, "noise": {"samples": 1, "seed": 1},
-                               "layers": layers, "window": window, "plots": False, "filter": False}}
-    kept, engine.pack_cells = engine.pack_cells, pack
-    try:
-        plan, results = run_plan(engine, config)
-    finally:
-        engine.pack_cells = kept
-    ds = trace_dataset(plan, results)
-    assert ds.attrs["voided"] == []
-    for fact in plan.layout.facts:
-        f, n = fact.index, len(fact.clean.token_ids)
-        assert n > 4
-        cells = [(k, lay, t) for k in plan.layout.components for lay in layers for t in range(n)]
-        want, want_corrupt = oracle.traced_logprobs(path, list(fact.clean.token_ids), list(fact.subject_positions),
-                                                    ds["noise"].values[f, 0, : len(fact.subject_positions)],
-                                                    fact.clean.answer_ids[0], cells, window)
-        got = np.array([float(ds["restored_logprob_samples"].sel(component=k, layer=lay).values[f, t, 0])
-                        for k, lay, t in cells])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=name)
-        assert float(ds["corrupt_logprob_samples"].values[f, 0]) == pytest.approx(want_corrupt, abs=1e-4)
-        assert np.ptp(want) > 1e-2  # restores move the answer
+    check_trace_grid(name, path, engine, pack, oracle.traced_logprobs)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from support import hf_oracle
+
 # HF architecture -> (blocks, attention, the MLP's input norm, MLP, token embedding) module paths
 MODULES = {
     "GPT2LMHeadModel": ("transformer.h", "attn", "ln_2", "mlp", "transformer.wte"),
@@ -68,18 +70,8 @@ def forward(path, token_ids, steer=None, steer_rows=None):
     """Logits [T, V] and every hook's values {(layer, hook): [T, D]} (and {(layer, "router"): [T, E]} for MoE)."""
     model = load(str(path))
     blocks, branches, _ = parts(model)
-    steer = steer or {}
     captured, handles = {}, []
-
-    def add(key, value):
-        if key not in steer:
-            return value
-        v = torch.zeros_like(value)
-        v[:, slice(None) if steer_rows is None else steer_rows] = torch.as_tensor(steer[key], dtype=value.dtype)
-        return value + v
-
-    def keep(key, value):
-        captured[key] = value[0].detach().clone()
+    add, keep = hf_oracle.steer_and_keep(steer, steer_rows, captured)
 
     for i, (block, (attn, norm, mlp)) in enumerate(zip(blocks, branches)):
         def pre(module, args, kwargs, i=i):

@@ -29,6 +29,24 @@ def _add(vec):
     return hook
 
 
+def steer_and_keep(steer: dict | None, steer_rows, captured: dict):
+    """The two things a family oracle's hooks do: ``add(key, value)`` adds ``steer[key]`` to a hooked value (on
+    ``steer_rows`` only, when given), ``keep(key, value)`` records the value of the batch's one sequence."""
+    steer = steer or {}
+
+    def add(key, value):
+        if key not in steer:
+            return value
+        v = torch.zeros_like(value)
+        v[:, slice(None) if steer_rows is None else steer_rows] = torch.as_tensor(steer[key], dtype=value.dtype)
+        return value + v
+
+    def keep(key, value):
+        captured[key] = value[0].detach().clone()
+
+    return add, keep
+
+
 def hooked_logits(model: torch.nn.Module, token_ids: list[int], handles: list) -> torch.Tensor:
     """The model's logits over ``token_ids`` with its hooks ``handles`` in place; the hooks are removed after."""
     try:

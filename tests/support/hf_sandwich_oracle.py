@@ -57,18 +57,8 @@ def forward(path, token_ids: list[int], steer: dict | None = None, steer_rows=No
     sites (on ``steer_rows`` only, when given)."""
     model = load(str(path))
     at = points(model)
-    steer = steer or {}
     captured, handles = {}, []
-
-    def add(key, value):
-        if key not in steer:
-            return value
-        v = torch.zeros_like(value)
-        v[:, slice(None) if steer_rows is None else steer_rows] = torch.as_tensor(steer[key], dtype=value.dtype)
-        return value + v
-
-    def keep(key, value):
-        captured[key] = value[0].detach().clone()
+    add, keep = hf_oracle.steer_and_keep(steer, steer_rows, captured)
 
     for i, layer in enumerate(model.model.layers):
         def pre(module, args, kwargs, i=i):
