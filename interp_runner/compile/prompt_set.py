@@ -22,22 +22,26 @@ def load_prompts(cfg: RunBase, tokenize: Callable[[str], Sequence[int]], base: P
         where = "prompts.items"
     if not items:
         raise ConfigError.at("prompts", "empty prompt list")
-    prompts: list[Prompt] = []
     index_of: dict[str, int] = {}
-    for i, item in enumerate(items):
-        pid = item.id or f"p{i}"
-        if pid in index_of:
-            raise ConfigError.at(f"{where}[{i}].id", f"id {pid!r} is prompt {index_of[pid]}'s already")
-        index_of[pid] = i
-        token_ids = tuple(int(t) for t in tokenize(item.text))
-        if not token_ids:
-            raise ConfigError.at(f"{where}[{i}]", "prompt tokenizes to nothing")
-        scored = tuple(
-            answer_token(tokenize, text, f"{where}[{i}].{key}", cfg.scoring.first_token)
-            for key, text in (("answer", item.answer), ("foil", item.foil)) if text is not None
-        )
-        prompts.append(Prompt(index=i, id=pid, text=item.text, token_ids=token_ids, answer_ids=scored))
-    return prompts
+    return [prompt_of_row(i, item, where, "p", index_of, tokenize, cfg.scoring.first_token)
+            for i, item in enumerate(items)]
+
+
+def prompt_of_row(i: int, row, where: str, id_prefix: str, index_of: dict[str, int],
+                  tokenize: Callable[[str], Sequence[int]], first_token: bool) -> Prompt:
+    """Prompt ``i`` of the rows at ``where`` (``text``, optional ``id``, ``answer``, ``foil``): its id (default
+    ``id_prefix`` + i) unique among ``index_of``, which it joins; its text tokenized; its answer and foil each scored
+    by one token."""
+    pid = row.id or f"{id_prefix}{i}"
+    if pid in index_of:
+        raise ConfigError.at(f"{where}[{i}].id", f"id {pid!r} is prompt {index_of[pid]}'s already")
+    index_of[pid] = i
+    token_ids = tuple(int(t) for t in tokenize(row.text))
+    if not token_ids:
+        raise ConfigError.at(f"{where}[{i}]", f"{row.text!r} tokenizes to nothing")
+    scored = tuple(answer_token(tokenize, text, f"{where}[{i}].{key}", first_token)
+                   for key, text in (("answer", row.answer), ("foil", row.foil)) if text is not None)
+    return Prompt(index=i, id=pid, text=row.text, token_ids=token_ids, answer_ids=scored)
 
 
 def answer_token(tokenizer, text: str, where: str, first_token: bool) -> int:

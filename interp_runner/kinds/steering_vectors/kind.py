@@ -37,7 +37,7 @@ from interp_runner.compile.inputs import read_rows
 from interp_runner.contracts import DECODE, PREFILL, Capture, Steer
 from interp_runner.payload import digest, pack_positions
 from interp_runner.compile.plan import Plan
-from interp_runner.compile.prompt_set import answer_token, check_length, check_vocabulary
+from interp_runner.compile.prompt_set import check_length, check_vocabulary, prompt_of_row
 from interp_runner.compile.requests import Prompt, engine_spec_of, make_request, mark_private_kv, requests_hash
 from interp_runner.store.result_arrays import strings
 from interp_runner.compile.overflow import FLOAT32_MAX, overflow_reason, squares
@@ -195,18 +195,11 @@ def load_heldout(cfg, tokenizer, base: Path | None) -> tuple[list[Prompt], list[
         raise ConfigError.at(where, f"{path} holds no prompts")
     prompts, ids = [], {}
     for j, row in enumerate(rows):
-        pid = row.id or f"h{j}"
-        if pid in ids:
-            raise ConfigError.at(f"{where}[{j}].id", f"id {pid!r} is prompt {ids[pid]}'s already")
-        ids[pid] = j
-        token_ids = tuple(int(t) for t in tokenizer(row.text))
-        if not token_ids:
-            raise ConfigError.at(f"{where}[{j}].text", f"{row.text!r} tokenizes to nothing")
-        scored = tuple(answer_token(tokenizer, text, f"{where}[{j}].{key}", cfg.scoring.first_token)
-                       for key, text in (("answer", row.answer), ("foil", row.foil)))
-        if scored[0] == scored[1]:
-            raise ConfigError.at(f"{where}[{j}].foil", f"{row.foil!r} is scored by the answer's token {scored[0]}")
-        prompts.append(Prompt(index=j, id=pid, text=row.text, token_ids=token_ids, answer_ids=scored))
+        prompt = prompt_of_row(j, row, where, "h", ids, tokenizer, cfg.scoring.first_token)
+        answer, foil = prompt.answer_ids
+        if answer == foil:
+            raise ConfigError.at(f"{where}[{j}].foil", f"{row.foil!r} is scored by the answer's token {answer}")
+        prompts.append(prompt)
     return prompts, [(row.answer, row.foil) for row in rows]
 
 
