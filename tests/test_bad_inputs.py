@@ -4,7 +4,8 @@ Classes: (1) floats that are not finite, or not finite as float32 or the engine'
 checks (model limits, tensor parallelism, scheduler, KV cache, sampling ranges); (3) selectors that would clamp or
 repeat; (4) files and folders that would raise (bad UTF-8, folders, malformed lines, a model without tokenizer or
 weights, chat templates where character spans are needed); (5) Hydra's own errors; (6) input that would be
-converted with loss (strings, floats or bools for ints, int vector files, out-of-range seeds).
+converted with loss (strings, floats or bools for ints, int vector files, out-of-range seeds); (7) capture-only sites
+(a MoE router's logits) steered, patched, mixed into an entry of hidden-size hooks, or named for a dense model.
 
 Most cases run in this process through ``prepare()`` (what a dry run does); a subset, every Hydra error among them,
 runs through the CLI's ``main`` (in this process: ``support.inprocess``), which must exit 2, name the key, print no
@@ -299,9 +300,22 @@ RECONVERTED = [
      "prompts.items[1].id", "already"),
 ]
 
+ROUTER = {"hooks": ["router_logits"], "layers": [0]}
+CAPTURE_ONLY = [
+    ("router-logits-on-a-dense-model", base_config(capture=[ROUTER]), "capture[0].hooks[0]",
+     "exists in the blocks of MoE families with a router: qwen3_moe"),
+    ("router-logits-beside-hidden-size-hooks", base_config("tiny_qwen3_moe", capture=[
+        {**ROUTER, "hooks": ["mlp_out", "router_logits"]}]), "capture[0].hooks", "capture entry of its own"),
+    ("router-logits-steered", base_config("tiny_qwen3_moe", steering={"global": {"prefill": {"router_logits": {
+        "layer": 0, "vector": V}}}}), "steering.global.prefill.router_logits", "capture-only site"),
+    ("router-logits-patched", base_config("tiny_qwen3_moe", patching=[{
+        "prompts": [1], "source": {"zeros": True}, "hook": "router_logits", "layers": [0]}]), "patching[0].hook",
+     "capture-only site"),
+]
+
 
 CLASSES = {"non-finite": NON_FINITE, "vllm-rule": VLLM_RULES, "selector": SELECTORS, "file": FILES,
-           "reconverted": RECONVERTED}
+           "reconverted": RECONVERTED, "capture-only": CAPTURE_ONLY}
 
 
 def campaign() -> list:

@@ -97,7 +97,8 @@ def test_unknown_hook_in_capture():
 
 def test_unknown_hook_in_capture_second_entry():
     config = base_config(capture=[{"hooks": ["post_block"]}, {"name": "b", "hooks": ["mlp_out", "mlp"]}])
-    assert_problem(config, "capture[1].hooks[1]", "'pre_attn', 'attn_out', 'post_attn', 'mlp_out' or 'post_block'")
+    assert_problem(config, "capture[1].hooks[1]",
+                   "'pre_attn', 'attn_out', 'post_attn', 'mlp_out', 'post_block' or 'router_logits'")
 
 
 def test_capture_needs_a_hook():

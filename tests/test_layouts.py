@@ -24,7 +24,7 @@ from conftest import REPO, base_config  # noqa: E402
 from interp_runner.config import ConfigError  # noqa: E402
 from interp_runner.models import layouts  # noqa: E402
 from interp_runner.models.architectures import DECODER_LAYERS  # noqa: E402
-from interp_runner.sites import HOOKS, RESIDUAL_HOOKS  # noqa: E402
+from interp_runner.sites import CAPTURE_HOOKS, HOOKS, RESIDUAL_HOOKS  # noqa: E402
 
 DOC = REPO / "docs" / "models.md"
 
@@ -53,12 +53,14 @@ def placement_rows(layout: layouts.BlockLayout) -> dict[str, str]:
         "mlp_out": f"{mlp}{router}{mlp_norm} output, as added",
         "post_block": ("pre_attn + attn_out + mlp_out" if layout.parallel_residual else "post_attn + mlp_out")
         + " (block output)",
+        "router_logits": f"{_code(layout.mlp + '.' + str(layout.router))} logits of what the MLP reads, one per "
+        "expert (capture only)",
     }
-    return {hook: rows[hook] if hook in layout.hooks else "— (refused)" for hook in HOOKS}
+    return {hook: rows[hook] if hook in layout.capture_hooks else "— (refused)" for hook in CAPTURE_HOOKS}
 
 
 def placement_table() -> str:
-    lines = ["| family | " + " | ".join(HOOKS) + " |", "|---" * (len(HOOKS) + 1) + "|"]
+    lines = ["| family | " + " | ".join(CAPTURE_HOOKS) + " |", "|---" * (len(CAPTURE_HOOKS) + 1) + "|"]
     for layout in layouts.LAYOUTS.values():
         lines.append(f"| {layout.family} | " + " | ".join(placement_rows(layout).values()) + " |")
     return "\n".join(lines)
@@ -95,13 +97,14 @@ def support_rows(models: dict[str, str]) -> list[list[str]]:
         runners = (["V1"] if cpu else []) + (["V2"] if any(re.search(r"MODEL_RUNNERS|model_runner=\"v2\"",
                                                                      files[f]) for f in cpu) else [])
         rows.append([layout.family, ", ".join(layout.architectures),
-                     *("✓" if hook in layout.hooks else "—" for hook in HOOKS),
+                     *("✓" if hook in layout.capture_hooks else "—" for hook in CAPTURE_HOOKS),
                      ", ".join(names) or "—", ", ".join(cpu) or "—", ", ".join(gpu) or "—", ", ".join(runners) or "—"])
     return rows
 
 
 def support_table(models: dict[str, str]) -> str:
-    head = ["family", "architectures", *HOOKS, "test models", "CPU tests (fp32, vs HF)", "GPU tests", "CPU runners"]
+    head = ["family", "architectures", *CAPTURE_HOOKS, "test models", "CPU tests (fp32, vs HF)", "GPU tests",
+            "CPU runners"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in support_rows(models)]
     return "\n".join(lines)

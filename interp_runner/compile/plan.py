@@ -16,6 +16,7 @@ import numpy as np
 
 from interp_runner.config.errors import ConfigError
 from interp_runner.config.schema import RunBase
+from interp_runner.models.facts import Routing
 from interp_runner.payload import EngineSpec
 from interp_runner.compile.requests import EngineRequest
 
@@ -29,6 +30,9 @@ class CaptureLayout:
     layers: tuple[int, ...]
     dtype: str
     prompt_indices: tuple[int, ...]
+    # an entry of router logits (``router_logits``): the model's routing, from which the chosen experts and their
+    # weights are derived into the store (``store.result_arrays.routing_arrays``); None: hidden-size activations
+    routing: Routing | None = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from interp_runner.compile.plan import CaptureLayout
 from interp_runner.compile.requests import Prompt
 from interp_runner.compile.overflow import FLOAT32_MAX, overflow_reason, squares
 from interp_runner.compile.selectors import distinct_positions, parse_layers, parse_prompts
-from interp_runner.sites import site_id
+from interp_runner.sites import ROUTER_LOGITS, site_id
 from interp_runner.vectors.load import load_vector
 
 TIER_PHASES = {"base": PREFILL | DECODE, "prefill": PREFILL, "decode": DECODE}
@@ -83,5 +83,10 @@ def compile_capture(cfg: RunBase, prompts: list[Prompt], facts: ModelFacts):
         for index in targets:
             positions, generated = _capture_positions(spec, prompts[index], where)
             capture[index].append(Capture(tuple(sites), pack_positions(positions), generated))
-        layouts.append(CaptureLayout(spec.name, tuple(spec.hooks), tuple(layers), spec.dtype, tuple(targets)))
+        routing = facts.routing if ROUTER_LOGITS in spec.hooks else None
+        dense = sorted(set(layers) & set(routing.dense_layers)) if routing is not None else []
+        if dense:
+            raise ConfigError.at(where + ".layers", f"layers {dense} of this model have a dense MLP, without a router "
+                                 f"to capture {ROUTER_LOGITS} from")
+        layouts.append(CaptureLayout(spec.name, tuple(spec.hooks), tuple(layers), spec.dtype, tuple(targets), routing))
     return capture, layouts

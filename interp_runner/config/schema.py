@@ -17,9 +17,10 @@ from pydantic import (
     model_validator,
 )
 
-from interp_runner.sites import HOOKS, RESIDUAL_HOOKS
+from interp_runner.sites import CAPTURE_HOOKS, CAPTURE_ONLY_HOOKS, HOOKS, RESIDUAL_HOOKS, capture_only_refusal
 
 Hook = Literal[HOOKS]
+CaptureHook = Literal[CAPTURE_HOOKS]  # the hooks plus the capture-only ones (``sites.CAPTURE_ONLY_HOOKS``)
 ResidualHook = Literal[tuple(h for h in HOOKS if h in RESIDUAL_HOOKS)]
 # a layer selector: 3, [1, 5], "all", "2:6" (half-open range)
 IndexList = Annotated[list[StrictInt], Field(min_length=1)]
@@ -124,6 +125,11 @@ Terms = Union[SteerTerm, list[SteerTerm]]
 
 
 class _TierTerms(Strict):
+    @field_validator(*CAPTURE_ONLY_HOOKS, mode="before", check_fields=False)
+    @classmethod
+    def _capture_only(cls, value: Any, info: ValidationInfo) -> Any:
+        raise ValueError(capture_only_refusal(info.field_name, "steered"))
+
     def terms(self) -> list[tuple[str, int | None, SteerTerm]]:
         """(hook, index within the hook's list or None, term) in hook order."""
         out = []
@@ -136,8 +142,9 @@ class _TierTerms(Strict):
         return out
 
 
-# steering terms per hook point: one optional key per hook
-Tier = create_model("Tier", __base__=_TierTerms, **{hook: (Optional[Terms], None) for hook in HOOKS})
+# steering terms per hook point: one optional key per hook (a capture-only hook's key is refused by name)
+Tier = create_model("Tier", __base__=_TierTerms, **{hook: (Optional[Terms], None) for hook in HOOKS},
+                    **{hook: (Any, None) for hook in CAPTURE_ONLY_HOOKS})
 
 
 class Tiers(Strict):
@@ -161,12 +168,24 @@ CapturePositions = Union[Literal["last_prompt", "all_prompt", "all_generated", "
 
 
 class CaptureSpec(Strict):
+    """Values at ``hooks`` x ``layers`` x ``positions``. A capture-only hook (``router_logits``: one logit per
+    expert, not hidden-size rows) is captured in an entry of its own."""
+
     name: Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")] = "acts"
-    hooks: Annotated[list[Hook], Field(min_length=1), AfterValidator(distinct)]
+    hooks: Annotated[list[CaptureHook], Field(min_length=1), AfterValidator(distinct)]
     layers: LayerSelector = "all"
     positions: CapturePositions = "last_prompt"
     prompts: PromptSelector = "all"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    @field_validator("hooks")
+    @classmethod
+    def _capture_only_alone(cls, hooks: list[str]) -> list[str]:
+        alone = [h for h in hooks if h in CAPTURE_ONLY_HOOKS]
+        if alone and len(hooks) > 1:
+            raise ValueError(f"{alone[0]!r} is captured in a capture entry of its own (its rows hold one value "
+                             f"per expert, not the hidden size): give it an entry with hooks: [{alone[0]}]")
+        return hooks
 
 
 class PromptItem(Strict):
@@ -240,6 +259,13 @@ class PatchSpec(Strict):
     layers: LayerSelector
     positions: Union[Literal["all"], IndexList, Span] = "all"
     alpha: float = Field(1.0, ge=0, le=1)
+
+    @field_validator("hook", mode="before")
+    @classmethod
+    def _not_capture_only(cls, hook: Any) -> Any:
+        if hook in CAPTURE_ONLY_HOOKS:
+            raise ValueError(capture_only_refusal(hook, "patched"))
+        return hook
 
 
 class Scoring(Strict):

@@ -12,7 +12,9 @@ Store (``dataset``), one row per request in plan order:
   ``top_token_ids`` / ``top_logprob`` (request, generated, top_k) when ``sampling.logprobs`` > 0;
 - ``text`` and ``prompt`` (request);
 - per capture entry NAME: ``NAME`` (request, NAME_hook, NAME_layer, NAME_slot, hidden) with coordinate
-  ``NAME_position`` (request, NAME_slot) giving the token position of each slot (-1 and NaN where unused).
+  ``NAME_position`` (request, NAME_slot) giving the token position of each slot (-1 and NaN where unused);
+  an entry of a MoE model's ``router_logits`` holds (..., NAME_slot, expert) instead, plus the experts each token
+  chose, ``NAME_topk_ids`` and their routing weights ``NAME_topk_weights`` (..., NAME_slot, routed).
 
 With answers to score (prompt ``answer``/``foil``): ``answer_logprob``, ``answer_prob``, ``foil_logprob``,
 ``logit_diff``, ``top_token`` (request), exact whatever the answer's rank. With ``patching``: requests also cover
@@ -42,7 +44,8 @@ from interp_runner.compile.patching import compile_patching
 from interp_runner.compile.plan import Plan, bank_rows_for
 from interp_runner.compile.prompt_set import check_length, check_vocabulary, load_prompts, prompt_rid, require_plain_prompts
 from interp_runner.compile.requests import Patch, engine_spec_of, make_request, mark_private_kv, requests_hash
-from interp_runner.store.result_arrays import capture_arrays, padded, score_arrays, strings, value_kind
+from interp_runner.store.result_arrays import (capture_arrays, capture_vars, padded, score_arrays, strings,
+                                               value_kind)
 from interp_runner.compile.steering import compile_capture, compile_steering, load_named_vectors
 from interp_runner.kinds.base import Headline, Section, Table
 
@@ -148,7 +151,8 @@ class PromptsKind:
         ds = xr.Dataset(data_vars, coords=coords, attrs=attrs)
         for layout in plan.captures:
             arrays = capture_arrays(layout, pairs, hidden)
-            ds[layout.name] = arrays.pop(layout.name)
+            for var in capture_vars(layout):
+                ds[var] = arrays.pop(var)
             ds = ds.assign_coords(arrays)
         return ds
 

@@ -23,6 +23,18 @@ class UnsupportedModel(ValueError):
 
 
 @dataclass(frozen=True)
+class Routing:
+    """How a MoE block chooses its experts: softmax over ``num_experts`` router logits, the top ``top_k`` kept,
+    their weights renormalized to sum to 1 where ``renormalize`` (``BlockLayout.router_config``)."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense (no router): Qwen3-MoE's ``mlp_only_layers``
+    # and those off ``decoder_sparse_step``
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     path: str
     architecture: str
@@ -38,6 +50,7 @@ class ModelFacts:
     dtype: str = "float32"  # of the weights in config.json
     max_model_len: int | None = None  # the longest sequence vLLM allows (None: the config does not say)
     max_model_len_key: str = ""  # where that comes from
+    routing: Routing | None = None  # a MoE family's (``BlockLayout.router``); None: dense blocks
 
     @classmethod
     def from_folder(cls, folder: Path, weights_seed: int | None = None) -> ModelFacts:
@@ -64,6 +77,19 @@ class ModelFacts:
                 raise UnsupportedModel(f"{folder / 'config.json'}: {key} is {value!r}, not a positive int")
             return value
 
+        routing = None
+        if layout.router is not None:
+            experts_key, top_k_key, renormalize_key = layout.router_config
+            renormalize = text.get(renormalize_key, False)
+            if not isinstance(renormalize, bool):
+                raise UnsupportedModel(f"{folder / 'config.json'}: {renormalize_key} is {renormalize!r}, not a bool")
+            step, only = text.get("decoder_sparse_step", 1) or 1, text.get("mlp_only_layers") or []
+            dense = tuple(layer for layer in range(count("num_hidden_layers"))
+                          if layer in only or (layer + 1) % step != 0)
+            routing = Routing(count(experts_key), count(top_k_key), renormalize, dense)
+            if routing.top_k > routing.num_experts:
+                raise UnsupportedModel(f"{folder / 'config.json'}: {top_k_key} {routing.top_k} is more than "
+                                       f"{experts_key} {routing.num_experts}")
         num_heads = count("num_attention_heads")
         hidden_size = count("hidden_size")
         tokenizer_config = folder / "tokenizer_config.json"
@@ -83,6 +109,7 @@ class ModelFacts:
             dtype=str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "float32"),
             max_model_len=max_len,
             max_model_len_key=max_len_key,
+            routing=routing,
         )
 
 

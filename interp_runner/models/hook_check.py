@@ -2,8 +2,9 @@
 
 ``check_config_hooks`` walks the validated config for every key that names a hook where the run acts (steering
 tiers, capture and patch specs, a kind's ``hooks`` / ``hook`` / ``resid_hook``) and refuses each hook that is not
-in the family's ``BlockLayout.hooks``. ``check_plan_hooks`` is the backstop for hooks a kind derives (e.g. a causal
-trace's ``components``): every site the compiled plan acts at must exist in the family's block.
+in the family's ``BlockLayout.hooks`` (a capture entry's: in its ``capture_hooks``, which add the capture-only
+``router_logits`` where the block has a router). ``check_plan_hooks`` is the backstop for hooks a kind derives (e.g.
+a causal trace's ``components``): every site the compiled plan acts at must exist in the family's block.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pydantic import BaseModel
 
 from interp_runner.components import COMPONENTS
 from interp_runner.config.errors import ConfigError
-from interp_runner.sites import HOOKS, site_of
-from interp_runner.models.layouts import BlockLayout
+from interp_runner.sites import CAPTURE_HOOKS, CAPTURE_ONLY_HOOKS, HOOKS, site_of
+from interp_runner.models.layouts import BlockLayout, router_families
 
 HOOK_KEYS = ("hook", "hooks", "resid_hook", "eval_hook")
 # a vector read from a store names the hook it was derived at (another model's, possibly), not where it acts
@@ -47,20 +48,23 @@ def _walk(value, path: str):
 
 
 def _refusal(layout: BlockLayout, hook: str) -> str:
-    return (f"{hook!r} is not a hook of {layout.family} blocks (architectures {', '.join(layout.architectures)}); "
-            f"their hooks: {', '.join(layout.hooks)}")
+    reason = (f"{hook!r} is not a hook of {layout.family} blocks (architectures {', '.join(layout.architectures)}); "
+              f"their hooks: {', '.join(layout.capture_hooks)}")
+    if hook in CAPTURE_ONLY_HOOKS:
+        reason += f"; {hook} exists in the blocks of MoE families with a router: {', '.join(router_families())}"
+    return reason
 
 
 def check_config_hooks(cfg: BaseModel, layout: BlockLayout) -> None:
     """Every hook the config names must exist in the family's block."""
     problems = [(key, _refusal(layout, hook)) for key, hook in _walk(cfg, "")
-                if hook in HOOKS and hook not in layout.hooks]
+                if hook in CAPTURE_HOOKS and hook not in layout.capture_hooks]
     if problems:
         raise ConfigError(problems)
 
 
 def check_plan_hooks(sites, layout: BlockLayout, key: str) -> None:
     """Every site the plan acts at must be a hook of the family's block (``key``: the config key blamed)."""
-    missing = sorted({site_of(site)[1] for site in sites} - set(layout.hooks), key=HOOKS.index)
+    missing = sorted({site_of(site)[1] for site in sites} - set(layout.capture_hooks), key=CAPTURE_HOOKS.index)
     if missing:
         raise ConfigError.at(key, "; ".join(_refusal(layout, hook) for hook in missing))

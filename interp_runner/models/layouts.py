@@ -22,6 +22,9 @@ Fields (module names are attributes of the vLLM decoder layer; for every family 
 - ``post_attn_norm`` / ``post_mlp_norm``: "sandwich" norms applied to a branch's output before it is added
   (None: the output is added as it is).
 - ``attn`` / ``mlp``: the branch modules; ``router``: the MoE router module inside ``mlp`` (None: dense MLP).
+  A layout with a router also has the capture-only hook ``router_logits`` (``capture_hooks``).
+- ``router_config``: the config.json keys of (number of experts, experts chosen per token, whether the chosen
+  experts' softmax weights are renormalized to sum to 1); read only where ``router`` is set.
 - ``embed_scale``: what multiplies the token embedding rows before layer 0 ("sqrt_hidden": sqrt(hidden_size);
   None: nothing). Layer 0's ``pre_attn`` holds the scaled rows; causal-trace noise is scaled from them.
 - ``attn_softcap_key`` / ``final_softcap_key``: the config keys of the attention-logit and final-logit soft caps
@@ -47,6 +50,10 @@ Hook points, for every layout (``x``: the stream entering block L):
 - ``mlp_out``: the MLP branch's output as added, after ``post_mlp_norm`` where the family has one.
 - ``post_block``: the stream leaving the block, ``post_attn + mlp_out`` = block L+1's ``pre_attn``.
 
+- ``router_logits`` (capture only, layouts with a ``router``): the router's logits, one per expert, for the token
+  the MLP reads (``router(pre_mlp_norm(post_attn))``), as the experts are chosen from them: Qwen3-MoE takes the
+  softmax over all experts, keeps the top ``num_experts_per_tok`` and renormalizes them where ``norm_topk_prob``.
+
 Residual hooks (``sites.RESIDUAL_HOOKS``) hold a stream value, branch hooks a branch's contribution to it, so
 ``post_attn = pre_attn + attn_out`` and ``post_block = post_attn + mlp_out`` hold in every family. Any op the
 plugin runs at a hook (steer: add; capture: copy; patch: mix; a later per-token probe or SAE encode/decode: read
@@ -57,7 +64,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from interp_runner.sites import HOOKS
+from interp_runner.sites import HOOKS, ROUTER_LOGITS
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ class BlockLayout:
     attn: str = "self_attn"
     mlp: str = "mlp"
     router: str | None = None
+    router_config: tuple[str, str, str] = ("num_experts", "num_experts_per_tok", "norm_topk_prob")
     embed_scale: str | None = None
     attn_softcap_key: str | None = None
     final_softcap_key: str | None = None
@@ -101,6 +109,11 @@ class BlockLayout:
     def sandwich(self) -> bool:
         """Whether a branch's output is normed before it is added (then ``attn_out``/``mlp_out`` are post-norm)."""
         return self.post_attn_norm is not None or self.post_mlp_norm is not None
+
+    @property
+    def capture_hooks(self) -> tuple[str, ...]:
+        """The hooks a capture entry may name: ``hooks``, and ``router_logits`` where the block has a router."""
+        return self.hooks + ((ROUTER_LOGITS,) if self.router is not None else ())
 
 
 def _pre_norm(family: str, architectures: tuple[str, ...], module: str, cls: str, cpp: str) -> BlockLayout:
@@ -159,6 +172,11 @@ def layout_for(architecture: str) -> BlockLayout:
     return layout
 
 
+def router_families() -> list[str]:
+    """The families whose blocks have a router (and so the ``router_logits`` capture site)."""
+    return [layout.family for layout in LAYOUTS.values() if layout.router is not None]
+
+
 def layouts_by_class() -> dict[tuple[str, str], BlockLayout]:
     """Each vLLM decoder-layer class with the one block layout it runs (families sharing a class share it)."""
     out: dict[tuple[str, str], BlockLayout] = {}
@@ -173,4 +191,4 @@ def layouts_by_class() -> dict[tuple[str, str], BlockLayout]:
 def _block_fields(layout: BlockLayout) -> tuple:
     """What the instrumented forward depends on."""
     return (layout.hooks, layout.fused_add_norm, layout.parallel_residual, layout.pre_attn_norm,
-            layout.pre_mlp_norm, layout.post_attn_norm, layout.post_mlp_norm, layout.attn, layout.mlp)
+            layout.pre_mlp_norm, layout.post_attn_norm, layout.post_mlp_norm, layout.attn, layout.mlp, layout.router)

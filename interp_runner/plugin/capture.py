@@ -63,7 +63,10 @@ def capture_groups(specs: tuple[Capture, ...]) -> list[CaptureGroup]:
 
 
 class CaptureBuffer:
-    def __init__(self, sites: tuple[int, ...], hidden_size: int, dtype, device, max_rows: int, bank, results,
+    """``width``: the widest capture site's rows (the hidden size, or a router's experts if more); a narrower site
+    copies its rows padded with zeros, and they are read back at its own width (``Readback.widths``)."""
+
+    def __init__(self, sites: tuple[int, ...], width: int, dtype, device, max_rows: int, bank, results,
                  staging, fold):
         self.sites = sites
         self.index = {site: i for i, site in enumerate(sites)}
@@ -72,7 +75,7 @@ class CaptureBuffer:
         self.cap_src = torch.zeros((num, max_rows), dtype=torch.int64, device=device)
         self.cap_dest = torch.zeros((num, max_rows), dtype=torch.int64, device=device)
         self.cap_count = torch.zeros(num, dtype=torch.int32, device=device)
-        self.cap_out = torch.zeros((max_rows if sites else 1, hidden_size), dtype=dtype, device=device)
+        self.cap_out = torch.zeros((max_rows if sites else 1, width), dtype=dtype, device=device)
         self._count_dirty = False
         self.step_sites: set[int] = set()  # the sites this step captures or keeps rows at
         self.direct = False  # a step run layer by layer: the op is called only where its step has work
@@ -103,9 +106,11 @@ class CaptureBuffer:
             return
         k = self.index.get(site)
         if k is not None:
-            n = out.shape[0]
+            n, cap_out = out.shape[0], self.cap_out
+            if out.shape[1] != cap_out.shape[1]:  # hidden-size rows beside wider ones
+                cap_out = cap_out[:, : out.shape[1]]
             kernels.capture_rows(out, extra, self.cap_src[k, :n], self.cap_dest[k, :n], self.cap_count[k : k + 1],
-                                 self.cap_out)
+                                 cap_out)
 
     @property
     def pending(self) -> bool:
@@ -249,7 +254,8 @@ class CaptureBuffer:
         """Hand this step's captured rows to the results (copies on the device, read back in bulk); copy its kept
         rows into the bank, whose keys then count as registered."""
         if self._keep_dest is not None:
-            self._bank.values[self._keep_dest.dest] = self.cap_out[self._keep_dest.src]
+            bank = self._bank.values
+            bank[self._keep_dest.dest] = self.cap_out[self._keep_dest.src, : bank.shape[1]]
             self._keep_dest = None
         self.keep_rows = {}
         for keys in self._keep_keys:
@@ -258,7 +264,9 @@ class CaptureBuffer:
         if self.direct_rows:  # an overflowing step: its gathers were appended in site order
             gathered, self.gathered, self.direct_rows = self.gathered, [], {}
             if keep_results and gathered:
-                values = torch.cat([g.values for g in gathered])
+                width = self.cap_out.shape[1]  # a hidden-size site's rows beside wider ones (router logits)
+                values = torch.cat([torch.nn.functional.pad(g.values, (0, width - g.values.shape[1]))
+                                    for g in gathered])
                 meta, offset = CaptureMeta([], [], [], []), 0
                 by_site = defaultdict(list)
                 for site, rid, chosen in zip(self._meta.sites, self._meta.rids, self._meta.positions):

@@ -6,9 +6,10 @@ residual stream at a site is ``hidden + residual``. Steering the
 stream adds to ``residual``; capturing it adds the halves on the copied rows only; patching it
 (``interp::site_pair``) replaces both halves of the patched rows. A branch hook sees the branch's output after the
 family's post-branch norm, if any (``BlockLayout.post_attn_norm`` / ``post_mlp_norm``): what is added to the
-stream. Sites without an op cost nothing: which sites carry one is fixed when the engine is built
-(``additional_config``), so compiled graphs see plain, static code. After the last layer, the stream the model's
-final norm reads is checked for non-finite values (``nonfinite``).
+stream. A MoE block's ``router_logits`` site (capture only) runs the router on the MLP's input and copies its
+logits out (``interp::capture_only``). Sites without an op cost nothing: which sites carry one is fixed when the
+engine is built (``additional_config``), so compiled graphs see plain, static code. After the last layer, the
+stream the model's final norm reads is checked for non-finite values (``nonfinite``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from interp_runner.models.layouts import BlockLayout, layouts_by_class
 from interp_runner.contracts import ENGINE_KEY, plugin_spec_of
-from interp_runner.sites import site_id
+from interp_runner.sites import ROUTER_LOGITS, site_id
 
 from interp_runner.plugin import runtime
-from interp_runner.plugin.ops import apply_pair, apply_site, flag_rows
+from interp_runner.plugin.ops import apply_pair, apply_site, capture_only, flag_rows
 from interp_runner.plugin.expert_group import ensure_expert_group
 from interp_runner.plugin.plain_blocks import plain_forward
 
@@ -52,6 +53,18 @@ def _site_op(self):
     return at
 
 
+def _capture_router(self, router, mlp_input) -> None:
+    """Capture the router's logits for the MLP's input at this layer's ``router_logits`` site. The router runs once
+    more here (the model's own call sits inside vLLM's fused-MoE op): the same module on the same rows."""
+    logits, _ = router(mlp_input)
+    site = self._interp_router_site
+    direct = self._interp_state.direct_sites
+    if direct is None:
+        capture_only(logits, site)
+    elif site in direct:
+        self._interp_state.capture_only(logits, site)
+
+
 def _check_final_stream(self, hidden_states, residual) -> None:
     """Rows the final norm cannot normalize: the float32 sum of squares of the stream it reads is not finite."""
     bad = ~torch.isfinite((hidden_states + residual).float().square().sum(-1))
@@ -65,7 +78,7 @@ def fused_add_norm_forward(layout: BlockLayout):
     """The instrumented forward of a pre-norm block whose adds vLLM defers into fused add+norms."""
     pre_attn_norm, pre_mlp_norm = layout.pre_attn_norm, layout.pre_mlp_norm
     post_attn_norm, post_mlp_norm = layout.post_attn_norm, layout.post_mlp_norm
-    attn_name, mlp_name = layout.attn, layout.mlp
+    attn_name, mlp_name, router_name = layout.attn, layout.mlp, layout.router
 
     def forward(self, positions, hidden_states, residual, **kwargs):
         if self._interp_sites is None:
@@ -85,6 +98,8 @@ def fused_add_norm_forward(layout: BlockLayout):
         residual, hidden_states = at("post_attn", residual, hidden_states)
 
         hidden_states, residual = getattr(self, pre_mlp_norm)(hidden_states, residual)
+        if self._interp_router_site is not None:
+            _capture_router(self, getattr(getattr(self, mlp_name), router_name), hidden_states)
         hidden_states = getattr(self, mlp_name)(hidden_states)
         if post_mlp_norm is not None:
             hidden_states = getattr(self, post_mlp_norm)(hidden_states)
@@ -101,7 +116,8 @@ def block_forward(layout: BlockLayout):
     """The instrumented forward for ``layout``'s kind of block; a kind without one is refused."""
     if layout.fused_add_norm and not layout.parallel_residual and layout.pre_attn_norm and layout.pre_mlp_norm:
         return fused_add_norm_forward(layout)
-    if not layout.fused_add_norm and layout.pre_attn_norm and layout.pre_mlp_norm and not layout.sandwich:
+    if not layout.fused_add_norm and layout.pre_attn_norm and layout.pre_mlp_norm and not layout.sandwich \
+            and layout.router is None:
         return plain_forward(layout, _site_op, _check_final_stream)
     raise NotImplementedError(f"interp ops have no instrumented forward for {layout.family}'s block layout")
 
@@ -127,6 +143,9 @@ def _instrumented_init(original_init, layout: BlockLayout):
             for hook in layout.hooks
             if site_id(layer, hook) in active
         }
+        router_site = site_id(layer, ROUTER_LOGITS)
+        routed = layout.router is not None and hasattr(getattr(self, layout.mlp), layout.router)  # not a dense layer
+        self._interp_router_site = router_site if routed and router_site in spec.capture_sites else None
         self._interp_pair_sites = frozenset(s for s in self._interp_sites.values() if s in state.patch_index)
         self._interp_state = state
         # the last layer's output is what the model's final norm reads

@@ -5,6 +5,8 @@ step patches that site, and, on steps that capture, copies the selected rows of 
 other half of the residual stream that vLLM keeps apart) out before any later op can change them in place.
 ``interp::site_pair(x, extra, site)`` does the same at residual-stream sites that patch, returning both halves,
 since a patched row must own the whole stream.
+``interp::capture_only(x, site)`` copies the selected rows of ``x`` out at a capture-only site (``router_logits``)
+and returns nothing: like ``flag_rows``, it is kept in compiled graphs as a side effect.
 ``interp::flag_rows(bad)`` marks the requests of the rows where ``bad`` holds as computed through a non-finite
 value (``nonfinite``); it returns nothing and is kept in compiled graphs as a side effect.
 
@@ -40,6 +42,10 @@ def _site_pair_impl(x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[to
     return active_state().apply_pair(x, extra, site)
 
 
+def _capture_only_impl(x: torch.Tensor, site: int) -> None:
+    active_state().capture_only(x, site)
+
+
 def _flag_rows_impl(bad: torch.Tensor) -> None:
     active_state().flag_rows(bad)
 
@@ -54,13 +60,20 @@ def register_ops() -> None:
     pair.register_fake(lambda x, extra, site: (torch.empty_like(x), torch.empty_like(extra)))
     flag = torch.library.custom_op("interp::flag_rows", mutates_args=())(_flag_rows_impl)
     flag.register_fake(lambda bad: None)
+    read = torch.library.custom_op("interp::capture_only", mutates_args=())(_capture_only_impl)
+    read.register_fake(lambda x, site: None)
     # no output and no mutated argument: without this, dead-code elimination would drop the call
     torch.fx.node.has_side_effect(torch.ops.interp.flag_rows.default)
+    torch.fx.node.has_side_effect(torch.ops.interp.capture_only.default)
     _ops_registered = True
 
 
 def apply_site(x: torch.Tensor, extra: torch.Tensor | None, site: int) -> torch.Tensor:
     return torch.ops.interp.site(x, extra, site)
+
+
+def capture_only(x: torch.Tensor, site: int) -> None:
+    torch.ops.interp.capture_only(x, site)
 
 
 def flag_rows(bad: torch.Tensor) -> None:

@@ -55,8 +55,9 @@ class HeldCaptures(NamedTuple):
 
 
 class Readback:
-    def __init__(self, is_result_rank: bool, staging):
+    def __init__(self, is_result_rank: bool, staging, widths: dict[int, int] | None = None):
         self.is_result_rank = is_result_rank
+        self.widths = widths or {}  # capture site -> its rows' width, where narrower than the captured rows
         self.score_rows: list[int] = []  # batch rows whose logits this step scores (requests of ``_plans``)
         self.cells: CellScores | None = None  # packed cells this step scores
         self.only_packed = False  # the step holds packed requests only: vLLM's own logits of them are never read
@@ -140,8 +141,12 @@ class Readback:
                                         "top_logprob": lp, "nonfinite": not ok}
             else:
                 values = item.values.float().cpu().numpy()
+                widths = self.widths
                 for site, rid, chosen, offset in zip(*item.meta):
-                    self.results[rid][site].append((chosen, values[offset : offset + len(chosen)]))
+                    rows = values[offset : offset + len(chosen)]
+                    if site in widths:
+                        rows = rows[:, : widths[site]]
+                    self.results[rid][site].append((chosen, rows))
 
     # -- per request --------------------------------------------------------------------------------
     def collect(self, rids: list[str]) -> dict[str, dict]:

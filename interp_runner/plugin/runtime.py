@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from interp_runner.contracts import PatchColumns, PluginSpec, RequestPayload, plugin_spec_of
+from interp_runner.models.layouts import layout_for
 from interp_runner.payload import unpack_positions
+from interp_runner.sites import ROUTER_LOGITS, site_of
 
 from interp_runner.plugin.bank import PatchBank
 from interp_runner.plugin.capture import CaptureBuffer, capture_groups
@@ -71,6 +73,15 @@ def state_for_current_engine(spec: PluginSpec) -> InterpState:
     return _building.state
 
 
+def _capture_width(vllm_config, site: int) -> int:
+    """The width of a capture site's rows: the hidden size, or at ``router_logits`` the number of experts."""
+    config = vllm_config.model_config.hf_text_config
+    if site_of(site)[1] != ROUTER_LOGITS:
+        return config.hidden_size
+    layout = layout_for(vllm_config.model_config.hf_config.architectures[0])
+    return getattr(config, layout.router_config[0])
+
+
 @dataclass(slots=True)
 class SteadyStep:
     """A decode step the next one may repeat: the same requests, one generated token each, and nothing but
@@ -108,9 +119,13 @@ class InterpState:
         self.patch_bank = PatchBank(spec.bank_rows, hidden_size, dtype, device, staging, fold)
         self.patches = PatchRows(spec.patch_sites, self.patch_bank.values, device, max_rows,
                                  staging, fold)
-        self.readback = Readback(self.is_result_rank, staging)
+        # captured rows are as wide as the widest site's (a router's logits: one per expert); each site's are read
+        # back at its own width
+        widths = {site: _capture_width(vllm_config, site) for site in spec.capture_sites}
+        width = max([hidden_size, *widths.values()])
+        self.readback = Readback(self.is_result_rank, staging, {s: w for s, w in widths.items() if w != width})
         self.result_flags = ResultFlags(max_rows, device, staging, self.is_result_rank)
-        self.capture = CaptureBuffer(spec.capture_sites, hidden_size, dtype, device, max_rows,
+        self.capture = CaptureBuffer(spec.capture_sites, width, dtype, device, max_rows,
                                      self.patch_bank, self.readback, staging, fold)
         self.kept_kv = KeptKV.for_engine(vllm_config, spec, staging, fold)
         self.packing = PackedSequences(self.patch_bank, self.kept_kv, staging, fold)
@@ -146,6 +161,13 @@ class InterpState:
         out, extra = self._patch_pair(x if steered is None else steered, extra, p)
         self._capture(site, out, extra)
         return out, extra
+
+    def capture_only(self, x: torch.Tensor, site: int) -> None:
+        """Capture at a capture-only site (``x``: [rows, width] at most the buffer's width, padded with zeros to it)."""
+        width = self.capture.cap_out.shape[1]
+        if x.shape[1] < width:
+            x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
+        self._capture(site, x, None)
 
     def step_sites(self) -> frozenset[int]:
         """The sites whose op has work this step (it steers, patches or captures some row); at the others the op

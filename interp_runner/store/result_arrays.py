@@ -23,10 +23,18 @@ def padded(rows: list, fill, dtype) -> np.ndarray:
     return out
 
 
+def capture_vars(layout: CaptureLayout) -> tuple[str, ...]:
+    """The data variables of one capture entry (``capture_arrays``' other keys are coordinates)."""
+    name = layout.name
+    return (name,) + ((f"{name}_topk_ids", f"{name}_topk_weights") if layout.routing is not None else ())
+
+
 def capture_arrays(layout: CaptureLayout, pairs: list, hidden: int) -> dict:
     """One capture entry's values (request, hook, layer, slot, hidden) and their coordinates, from (request, result)
-    pairs in store order."""
+    pairs in store order. An entry of router logits holds (request, hook, layer, slot, expert) and the experts each
+    token chose (``routing_arrays``)."""
     name = layout.name
+    width, feature = (layout.routing.num_experts, "expert") if layout.routing is not None else (hidden, "hidden")
     results = [result for _, result in pairs]
     per_request_positions = []
     for request, result in pairs:
@@ -37,10 +45,10 @@ def capture_arrays(layout: CaptureLayout, pairs: list, hidden: int) -> dict:
         found = [result.captures.get(s, (np.zeros(0, np.int32), None))[0] for s in sites]
         positions = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int32)
         per_request_positions.append(positions)
-    width = max(max((len(p) for p in per_request_positions), default=0), 1)
+    slots = max(max((len(p) for p in per_request_positions), default=0), 1)
     dtype = np.float32 if layout.dtype == "float32" else np.float16
     values = np.full(
-        (len(results), len(layout.hooks), len(layout.layers), width, hidden), np.nan, dtype=np.float32
+        (len(results), len(layout.hooks), len(layout.layers), slots, width), np.nan, dtype=np.float32
     )
     for r, (result, positions) in enumerate(zip(results, per_request_positions)):
         if not len(positions) or result.nonfinite:  # computed through a non-finite value: NaN, not numbers
@@ -52,19 +60,44 @@ def capture_arrays(layout: CaptureLayout, pairs: list, hidden: int) -> dict:
                     continue
                 slot = np.searchsorted(positions, got[0])
                 values[r, h, l, slot] = got[1]
-    dims = ("request", f"{name}_hook", f"{name}_layer", f"{name}_slot", "hidden")
+    dims = ("request", f"{name}_hook", f"{name}_layer", f"{name}_slot", feature)
     data = xr.DataArray(values.astype(dtype, copy=False) if layout.dtype != "bfloat16" else values, dims=dims)
     if layout.dtype == "bfloat16":  # numpy has no bfloat16: round to it and keep float32 storage
         import torch
 
         data = data.copy(data=torch.from_numpy(values).bfloat16().float().numpy())
     data.attrs["stored_dtype"] = layout.dtype
+    routing = routing_arrays(layout, values) if layout.routing is not None else {}
     return {
         name: data,
+        **routing,
         f"{name}_position": (("request", f"{name}_slot"), padded(per_request_positions, -1, np.int32)),
         f"{name}_hook": (f"{name}_hook", strings(layout.hooks)),
         f"{name}_layer": (f"{name}_layer", np.asarray(layout.layers, dtype=np.int32)),
     }
+
+
+def routing_arrays(layout: CaptureLayout, logits: np.ndarray) -> dict:
+    """The experts each captured token chose and their weights, from its float32 router logits as captured (before
+    the store's dtype): ``NAME_topk_ids`` (int32, by descending logit, ties to the lower expert id) and
+    ``NAME_topk_weights`` (float32: the softmax over all experts at those ids, renormalized to sum to 1 where the
+    model does), each (request, hook, layer, slot, routed); -1 and NaN where no token was captured."""
+    routing, name = layout.routing, layout.name
+    filled = np.isfinite(logits).all(-1)
+    x = np.where(filled[..., None], logits, 0.0).astype(np.float32)
+    ids = np.argsort(-x, axis=-1, kind="stable")[..., : routing.top_k]
+    shifted = np.exp(x - x.max(-1, keepdims=True))
+    probs = shifted / shifted.sum(-1, keepdims=True)
+    weights = np.take_along_axis(probs, ids, -1)
+    if routing.renormalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
+    ids[~filled], weights[~filled] = -1, np.nan
+    dims = ("request", f"{name}_hook", f"{name}_layer", f"{name}_slot", "routed")
+    described = {"description": f"the {routing.top_k} experts of {routing.num_experts} each token chose, from its "
+                 f"router logits {name}" + (" (weights renormalized to sum to 1)" if routing.renormalize else "")}
+    return {f"{name}_topk_ids": xr.DataArray(ids, dims=dims, attrs=described),
+            f"{name}_topk_weights": xr.DataArray(weights, dims=dims, attrs=described)}
 
 
 def score_arrays(plan: Plan, pairs: list) -> tuple[dict, dict]:
