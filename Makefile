@@ -12,11 +12,15 @@ setup:            ## venv + locked packages + built-in models
 run:              ## causal tracing on the embedded SmolLM2
 	.venv/bin/interp-run +experiment=causal_trace
 
+# pytest-xdist processes: `test` keeps each file in one of them, with the engines its tests share;
+# `test-fast` (no engines) hands out single tests
+TEST_WORKERS ?= 2
+
 test:             ## the whole CPU test suite
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast:        ## unit tests only (no engine, no process of its own, nothing slow)
-	$(PY) -m pytest -q -m "not engine and not cli and not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not engine and not cli and not slow"
 
 golden:           ## regenerate the golden stores experiments/golden/*.zarr (tiny_random)
 	bash scripts/make_golden.sh

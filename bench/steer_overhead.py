@@ -17,9 +17,9 @@ Rows (each engine in its own process, built once, warmed up, then timed):
 - ``stock-default`` (optional): plain vLLM with the plugin disabled and vLLM's default model runner.
 
 Every request decodes exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, no detokenization; the time is
-the wall time of ``LLM.generate`` over the whole batch, on the interp engine followed by the ``interp_collect``
-call that takes the requests' results off the workers (as ``VllmEngine.run`` does; for ``idle`` and ``steered``
-it returns nothing). Goals, in the table: ``steered`` at most +3% time vs ``idle``, ``idle`` at most +1% vs
+the wall time of ``LLM.generate`` over the whole batch, on the interp engine followed by ``VllmEngine.collect``,
+which takes the requests' results off the workers (as ``VllmEngine.run`` does; for ``idle`` and ``steered`` it
+returns nothing). Goals, in the table: ``steered`` at most +3% time vs ``idle``, ``idle`` at most +1% vs
 ``stock``, ``capture`` at most 3% less throughput than ``idle``. Prints a table last; ``--json`` keeps
 everything.
 
@@ -233,20 +233,16 @@ def build(kind: str, args, folder: Path, dummy: bool, spec):
 def generate(llm, plan, engine=None):
     """(wall seconds, this process's CPU seconds, token ids per request, worker results by request id). A run
     whose wall time grows while its CPU time does not waited on something else: the GPU, or a busy host.
-    With the interp ``engine``, the timed call also takes the requests' results (captures) off the workers as
-    ``VllmEngine.run`` does (packed only for workers in other processes); the worker keeps a request's captures
-    until they are collected."""
-    from interp_runner.payload import unpack_results
-
+    With the interp ``engine``, the timed call also takes the requests' results (captures) off the workers with
+    ``VllmEngine.collect``, as ``VllmEngine.run`` does (through a shared-memory block from workers in other
+    processes; then the ranks' checksums are compared); the worker keeps a request's captures until collected."""
     prompts = [r.engine_prompt() for r in plan.requests]
     params = [r.sampling_params() for r in plan.requests]
     collected = {}
     t0, c0 = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     if engine is not None:
-        packed = not engine.in_process
-        for per_rank in llm.collective_rpc("interp_collect", args=([r.rid for r in plan.requests], packed)):
-            collected.update(unpack_results(per_rank) if packed else per_rank)
+        collected = engine.collect([r.rid for r in plan.requests])
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     return dt, cpu, [list(o.outputs[0].token_ids) for o in outputs], collected
 

@@ -64,49 +64,6 @@ def unpack_positions(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.int32)
 
 
-def pack_array(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
-    """An array as plain msgpack-able values: what workers return through ``collective_rpc`` (arrays themselves
-    do not come back as arrays from worker processes)."""
-    array = np.ascontiguousarray(array)
-    return str(array.dtype), tuple(array.shape), array.tobytes()
-
-
-def unpack_array(packed) -> np.ndarray:
-    dtype, shape, data = packed
-    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(tuple(shape))
-
-
-def pack_results(results: dict) -> dict:
-    """A worker's per-request results (``captures``: site -> (positions, values); ``score``; ``void``;
-    ``nonfinite``) with every array packed."""
-    out = {}
-    for rid, result in results.items():
-        score = result.get("score")
-        out[rid] = {
-            "captures": {site: (pack_array(p), pack_array(v)) for site, (p, v) in result["captures"].items()},
-            "score": None if score is None else {k: pack_array(v) if isinstance(v, np.ndarray) else v
-                                                 for k, v in score.items()},
-            "void": result.get("void"),
-            "nonfinite": bool(result.get("nonfinite", False)),
-        }
-    return out
-
-
-def unpack_results(results: dict) -> dict:
-    out = {}
-    for rid, result in results.items():
-        score = result.get("score")
-        out[rid] = {
-            # msgpack turns int keys into ints again, tuples into lists
-            "captures": {int(site): (unpack_array(p), unpack_array(v)) for site, (p, v) in result["captures"].items()},
-            "score": None if score is None else {k: unpack_array(v) if isinstance(v, (list, tuple)) else v
-                                                 for k, v in score.items()},
-            "void": result.get("void"),
-            "nonfinite": bool(result.get("nonfinite", False)),
-        }
-    return out
-
-
 @dataclass(frozen=True)
 class EngineSpec:
     """What the engine must be built with: the sites that carry ops (fixed for the engine's lifetime)."""

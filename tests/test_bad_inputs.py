@@ -311,6 +311,21 @@ CAPTURE_ONLY = [
     ("router-logits-patched", base_config("tiny_qwen3_moe", patching=[{
         "prompts": [1], "source": {"zeros": True}, "hook": "router_logits", "layers": [0]}]), "patching[0].hook",
      "capture-only site"),
+    ("router-logits-steered-while-decoding", base_config("tiny_qwen3_moe", steering={"global": {"decode": {
+        "router_logits": {"layer": 0, "vector": V}}}}), "steering.global.decode.router_logits", "not steered"),
+    ("router-logits-steered-per-request", base_config("tiny_qwen3_moe", steering={"request": [{"prompts": [0],
+        "base": {"router_logits": {"layer": 0, "vector": V}}}]}), "steering.request[0].base.router_logits",
+     "not steered"),
+    ("router-logits-steered-on-a-dense-model", base_config(steering={"global": {"base": {"router_logits": {
+        "layer": 0, "vector": V}}}}), "steering.global.base.router_logits", "capture-only site"),
+    ("router-logits-patched-on-a-dense-model", base_config(patching=[{"prompts": [1], "source": {"zeros": True},
+        "hook": "router_logits", "layers": [0]}]), "patching[0].hook", "not patched"),
+    ("router-logits-layer-past-the-end", base_config("tiny_qwen3_moe", capture=[{**ROUTER, "layers": [99]}]),
+     "capture[0].layers[0]", "out of range"),
+    ("router-logits-range-past-the-end", base_config("tiny_qwen3_moe", capture=[{**ROUTER, "layers": "0:99"}]),
+     "capture[0].layers", "out of range"),
+    ("router-logits-twice-in-an-entry", base_config("tiny_qwen3_moe", capture=[
+        {**ROUTER, "hooks": ["router_logits", "router_logits"]}]), "capture[0].hooks", "repeat"),
 ]
 
 

@@ -17,7 +17,8 @@ from interp_runner.config.schema import EngineConfig
 from interp_runner.engine.bulk import run_bulk
 from interp_runner.engine.results import RequestResult
 from interp_runner.engine.settings import EngineError, llm_kwargs, on_gpu
-from interp_runner.payload import EngineSpec, plugin_fingerprint, unpack_results
+from interp_runner.payload import EngineSpec, plugin_fingerprint
+from interp_runner.result_transfer import received, result_block
 
 _in_process_engines: weakref.WeakSet = weakref.WeakSet()  # engines whose engine core runs in this process
 
@@ -175,10 +176,14 @@ class VllmEngine:
 
     def collect(self, rids: list[str], carriers: list[str] = ()) -> dict:
         """Per-request results from the result rank, after checking that every rank applied the same; what the
-        requests, and the packed requests that ``carriers`` name, held on the workers is freed."""
+        requests, and the packed requests that ``carriers`` name, held on the workers is freed. Workers in other
+        processes write the arrays into a block the call makes (``result_transfer``), removed when it ends."""
         collected = {}
-        for per_rank in self.llm.collective_rpc("interp_collect", args=(rids, not self.in_process, list(carriers))):
-            collected.update(per_rank if self.in_process else unpack_results(per_rank))
+        packed = not self.in_process
+        with result_block(packed) as block:
+            for per_rank in self.llm.collective_rpc("interp_collect", args=(rids, packed, list(carriers), block)):
+                if per_rank is not None:  # None: a rank other than the result rank
+                    collected.update(received(per_rank, block) if packed else per_rank)
         self.check_ranks()
         return collected
 

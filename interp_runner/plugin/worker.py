@@ -5,10 +5,9 @@ vLLM loads it by ``interp_runner.engine.settings.WORKER_EXTENSION``.
 
 from __future__ import annotations
 
-from interp_runner.payload import pack_results
-
 from interp_runner.plugin.runner_patches import plans_steps, state_of, view_of
 from interp_runner.plugin.runners.base import room_name
+from interp_runner.result_transfer import send_results
 
 
 class InterpWorkerExtension:
@@ -56,13 +55,15 @@ class InterpWorkerExtension:
     def interp_checksum(self) -> dict:
         return self._interp().checksum()
 
-    def interp_collect(self, rids: list[str], packed: bool = True, carriers: list[str] = ()) -> dict:
-        """Results of finished requests; ``packed`` for callers in another process (arrays do not survive
-        ``collective_rpc`` from worker processes as arrays). ``carriers``: finished engine requests that carried
-        some of them (packed cells), whose hold on the bank ends too."""
+    def interp_collect(self, rids: list[str], packed: bool = True, carriers: list[str] = (),
+                       block: str = "") -> dict | bytes | None:
+        """Results of finished requests (None from ranks other than the result rank). ``packed``, for callers in
+        another process: the ``result_transfer`` record, its arrays written into the caller's ``block`` where this
+        worker can open it. ``carriers``: finished engine requests that carried some of them (packed cells), whose
+        hold on the bank ends too."""
         state = self._interp()
         state.finished([*rids, *carriers])
         if not state.is_result_rank:
-            return {}
+            return None
         results = state.collect(rids)
-        return pack_results(results) if packed else results
+        return send_results(results, block) if packed else results

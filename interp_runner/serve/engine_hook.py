@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from interp_runner.contracts import PAYLOAD_KEY, encode_payload
-from interp_runner.payload import unpack_results
+from interp_runner.result_transfer import received, result_block
 from interp_runner.serve.compile import Compiled
 
 REGISTER_VECTORS = "interp_register_vectors"
@@ -61,10 +61,12 @@ class Collector:
         while self.waiting:
             batch, self.waiting = self.waiting, {}
             try:
-                per_rank = await self.engine.collective_rpc(COLLECT, args=(list(batch), True, []))
                 results: dict = {}
-                for packed in per_rank:
-                    results.update(unpack_results(packed))
+                with result_block() as block:
+                    per_rank = await self.engine.collective_rpc(COLLECT, args=(list(batch), True, [], block))
+                    for message in per_rank:
+                        if message is not None:  # None: a rank other than the result rank
+                            results.update(received(message, block))
             except Exception as err:  # the engine died: every waiter hears of it
                 for future in batch.values():
                     if future is not None and not future.done():
