@@ -153,6 +153,23 @@ class Borrowed:
         pass
 
 
+def through_buffer_and_direct(run):
+    """``run()``'s results twice on the active engine: through the persistent capture buffer, then with the buffer
+    cut to 3 rows, so every capturing step overflows it and copies its rows out directly (outside CUDA graphs)."""
+    import torch
+
+    from interp_runner.plugin import runtime
+
+    through_buffer = run()
+    state = runtime.active_state()
+    kept = state.cap_out
+    state.cap_out = torch.zeros((3, kept.shape[1]), dtype=kept.dtype)  # smaller than any capturing step
+    try:
+        return through_buffer, run()
+    finally:
+        state.cap_out = kept
+
+
 def engine_at_every_site(path: Path, num_layers: int, **engine):
     """An engine (fp32, eager unless overridden) with steering, capture and patch ops at every site; closed
     after use."""

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from support import hf_oracle
-from conftest import ALL_HOOKS, MODEL_RUNNERS, base_config, engine_at_every_site, rel_err, run_config
+from conftest import (ALL_HOOKS, MODEL_RUNNERS, base_config, engine_at_every_site, rel_err, run_config,
+                      through_buffer_and_direct)
 from interp_runner.sites import site_id
 from interp_runner.vectors.load import random_direction
 
@@ -175,20 +176,10 @@ def test_captures_that_overflow_the_capture_buffer_come_back_the_same(runner_eng
     tiny_engine = runner_engine
     """A step whose captured rows exceed the persistent buffer copies them out directly (outside CUDA graphs):
     same rows, same values as through the buffer."""
-    import torch
-
-    from interp_runner.plugin import runtime
-
     capture = [{"name": "gen", "hooks": ALL_HOOKS, "layers": "all", "positions": "all_generated"},
                {"name": "prompt", "hooks": ["post_block"], "layers": [1, 2], "positions": "all_prompt"}]
-    _, through_buffer = run_config(tiny_engine, config(capture=capture), skip_reading_prefix_cache=True)
-    state = runtime.active_state()
-    kept = state.cap_out
-    state.cap_out = torch.zeros((3, kept.shape[1]), dtype=kept.dtype)  # smaller than any capturing step
-    try:
-        _, direct = run_config(tiny_engine, config(capture=capture), skip_reading_prefix_cache=True)
-    finally:
-        state.cap_out = kept
+    through_buffer, direct = through_buffer_and_direct(
+        lambda: run_config(tiny_engine, config(capture=capture), skip_reading_prefix_cache=True)[1])
     for a, b in zip(through_buffer, direct):
         assert a.captures.keys() == b.captures.keys() and len(a.captures) == 4 * len(ALL_HOOKS)
         for site, (positions, values) in a.captures.items():

@@ -9,10 +9,9 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from support import hf_gpt_moe_oracle as family_oracle
-from conftest import MODEL_RUNNERS, base_config, build_engine, rel_err, run_plan
+from conftest import MODEL_RUNNERS, base_config, build_engine, rel_err, run_plan, through_buffer_and_direct
 from interp_runner.config import ConfigError
 from interp_runner.models.materialize import model_path
 from interp_runner.pipeline import prepare
@@ -61,22 +60,14 @@ def router_sites() -> tuple[int, ...]:
 def test_compiled_router_logits_and_routing_match_hf(model_runner):
     """Qwen3-MoE's ``router_logits`` site under torch.compile, on each model runner (``check_router_logits``);
     a step whose captured rows overflow the capture buffer copies the same rows and values out directly."""
-    from interp_runner.plugin import runtime
-
     engine = build_engine(model_path("tiny_qwen3_moe"), (), router_sites(), enforce_eager=False,
                           model_runner=model_runner, kv_cache_memory_bytes=256 << 20)
     try:
         assert engine.model_runner == model_runner
         check_router_logits(engine)
         # a step whose rows exceed the capture buffer copies them out directly: router rows beside hidden-size ones
-        _, through_buffer = run_plan(engine, config(capture=CAPTURE), skip_reading_prefix_cache=True)
-        state = runtime.active_state()
-        kept = state.cap_out
-        state.cap_out = torch.zeros((3, kept.shape[1]), dtype=kept.dtype)  # smaller than any capturing step
-        try:
-            _, direct = run_plan(engine, config(capture=CAPTURE), skip_reading_prefix_cache=True)
-        finally:
-            state.cap_out = kept
+        through_buffer, direct = through_buffer_and_direct(
+            lambda: run_plan(engine, config(capture=CAPTURE), skip_reading_prefix_cache=True)[1])
     finally:
         engine.close()
     for rid, a in through_buffer.items():
