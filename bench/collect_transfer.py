@@ -40,7 +40,6 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-    from interp_runner.config.schema import EngineConfig
     from interp_runner.engine.adapter import VllmEngine
     from interp_runner.engine.settings import on_gpu
     from interp_runner.pipeline import prepare

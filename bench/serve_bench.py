@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from steer_overhead import median_interval  # noqa: E402  (the same interval as the offline bench)
+from paired import median_interval  # noqa: E402  (the same interval as the offline bench)
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms", "output_throughput")
 CONDITIONS = ("plain", "steer50", "steer100", "capture4")

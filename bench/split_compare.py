@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from steer_overhead import goal_of, median_interval, paired_ratios  # noqa: E402
+from paired import goal_of, median_interval, paired_ratios  # noqa: E402
 
 TREES = ("before", "after")
 LABEL = re.compile(r"^(bench_smollm2|trace_grid)_(before|after)(\d+)\.json$")

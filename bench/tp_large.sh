@@ -105,7 +105,7 @@ capture_goal() {  # the 70B goals: steering <= +1% time, capture <= 2% throughpu
   $PY - "$1" <<'EOF'
 import json, sys
 sys.path.insert(0, "bench")
-from steer_overhead import median_interval, paired_changes, paired_ratios
+from paired import median_interval, paired_changes, paired_ratios
 res = json.load(open(sys.argv[1]))
 for w in res["workers"]:
     if w.get("kind") != "interp" or "times_s" not in w:

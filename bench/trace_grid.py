@@ -75,7 +75,7 @@ def model_folder(shape: dict, scratch: Path, device: str) -> Path:
     """Random bf16 Llama safetensors + SmolLM2's tokenizer, through steer_overhead's ``random_llama`` (which
     derives head_dim from hidden / heads: its LlamaConfig is swapped for one that keeps ours)."""
     import transformers
-    from steer_overhead import random_llama
+    from random_llama import random_llama
 
     shape = dict(shape)
     head_dim = shape.pop("head_dim")
