@@ -32,6 +32,8 @@ def config_of(overrides: list[str]) -> dict:
 
 
 def one_run(mode: str, overrides: list[str], spec_file: Path) -> dict:
+    import msgspec
+
     from interp_runner.engine.adapter import VllmEngine
     from interp_runner.engine.settings import on_gpu
     from interp_runner.payload import EngineSpec
@@ -52,12 +54,10 @@ def one_run(mode: str, overrides: list[str], spec_file: Path) -> dict:
     if mode == "spec":
         prepared = prepare(config, base=REPO)
         spec = prepared.plan.engine_spec
-        spec_file.write_text(json.dumps({"folder": str(prepared.facts.path), "spec": [
-            list(spec.steer_sites), list(spec.capture_sites), list(spec.patch_sites), spec.bank_rows,
-            spec.force_tokens]}))
+        spec_file.write_text(json.dumps({"folder": str(prepared.facts.path), "spec": msgspec.to_builtins(spec)}))
         return {"requests": len(prepared.plan.requests)}
     known = json.loads(spec_file.read_text())
-    spec = EngineSpec(*(tuple(v) if isinstance(v, list) else v for v in known["spec"]))
+    spec = msgspec.convert(known["spec"], EngineSpec)
     if mode == "seq":
         t = time.perf_counter()
         prepared = prepare(config, base=REPO)

@@ -32,6 +32,7 @@ log-probability between the two sides is informative only (bf16, different kerne
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -143,14 +144,7 @@ def trace_config(args, folder: Path, facts_file: Path, on_gpu: bool, num_layers:
 
 
 def merged_spec(specs):
-    from interp_runner.payload import EngineSpec
-
-    return EngineSpec(
-        tuple(sorted({s for spec in specs for s in spec.steer_sites})),
-        tuple(sorted({s for spec in specs for s in spec.capture_sites})),
-        tuple(sorted({s for spec in specs for s in spec.patch_sites})),
-        max(spec.bank_rows for spec in specs),
-    )
+    return functools.reduce(lambda a, b: a.union(b), specs)
 
 
 # -- interp-runner side ---------------------------------------------------------------------------------

@@ -118,17 +118,21 @@ class RequestPayload(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     cells: Cells | None = None  # a packed request's cells
 
 
-class PluginSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What an engine's plugin is built with (fixed for the engine's lifetime): the sites that carry ops and the
-    rows its buffers hold."""
+class PluginSites(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The sites that carry ops and the rows the plugin's buffers hold: fixed for an engine's lifetime."""
 
-    plugin: str  # ``payload.plugin_fingerprint()``: part of vLLM's compile-cache key
     steer_sites: tuple[int, ...]
     capture_sites: tuple[int, ...]
     patch_sites: tuple[int, ...] = ()
     bank_rows: int = 0  # patch source rows the workers keep at once
     kv_rows: int = 0  # prompt positions whose KV the workers keep at once
     kv_runs: int = 0  # the prompts they are in
+
+
+class PluginSpec(PluginSites, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What an engine's plugin is built with: its sites and rows, and the plugin's source they were made for."""
+
+    plugin: str  # ``payload.plugin_fingerprint()``: part of vLLM's compile-cache key
 
 
 class InvalidPayload(ValueError):

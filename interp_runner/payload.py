@@ -22,12 +22,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from interp_runner.contracts import PluginSpec, spec_config
+from interp_runner.contracts import PluginSites, PluginSpec, spec_config
 
 REF_PREFIX = "ref:"
 
@@ -64,22 +63,15 @@ def unpack_positions(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.int32)
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the engine must be built with: the sites that carry ops (fixed for the engine's lifetime)."""
+class EngineSpec(PluginSites, frozen=True, kw_only=True):
+    """What the engine must be built with: the plugin's sites and rows (fixed for the engine's lifetime), and
+    whether some request forces tokens (the sampler's processor is loaded)."""
 
-    steer_sites: tuple[int, ...]
-    capture_sites: tuple[int, ...]
-    patch_sites: tuple[int, ...] = ()
-    bank_rows: int = 0  # patch source rows the workers keep at once
-    kv_rows: int = 0  # prompt positions whose KV the workers keep at once
-    kv_runs: int = 0  # the prompts they are in
-    force_tokens: bool = False  # some request's payload has ``force``: the sampler's processor is loaded
+    force_tokens: bool = False  # some request's payload has ``force``
 
     def as_additional_config(self) -> dict:
-        return spec_config(PluginSpec(plugin_fingerprint(), tuple(self.steer_sites), tuple(self.capture_sites),
-                                      tuple(self.patch_sites), int(self.bank_rows), int(self.kv_rows),
-                                      int(self.kv_runs)))
+        sites = {f: getattr(self, f) for f in PluginSites.__struct_fields__}
+        return spec_config(PluginSpec(**sites, plugin=plugin_fingerprint()))
 
     def union(self, other: EngineSpec) -> EngineSpec:
         """A spec with the sites of both and the larger bank."""
@@ -90,7 +82,7 @@ class EngineSpec:
             max(self.bank_rows, other.bank_rows),
             max(self.kv_rows, other.kv_rows),
             max(self.kv_runs, other.kv_runs),
-            self.force_tokens or other.force_tokens,
+            force_tokens=self.force_tokens or other.force_tokens,
         )
 
     def covers(self, other: EngineSpec) -> bool:

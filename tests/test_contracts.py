@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from interp_runner import contracts
+from interp_runner import contracts, payload
 from interp_runner.contracts import (
     DECODE, PAYLOAD_KEY, PREFILL, Capture, Cells, InvalidPayload, Keep, KeepGroup, KvRange, PatchColumns,
     PluginSpec, RequestPayload, ReuseKv, StartLayer, Steer, decode_payload, encode_payload, payload_of,
@@ -111,7 +111,7 @@ def test_the_host_encodes_only_payload_records():
 
 
 def test_the_plugin_spec_round_trips_through_additional_config_and_refuses_unknown_keys():
-    spec = PluginSpec("abc", (3, 4), (9,), (4,), 10, 32, 2)
+    spec = PluginSpec((3, 4), (9,), (4,), 10, 32, 2, plugin="abc")
     config = spec_config(spec)
     assert config == {"interp": {"plugin": "abc", "steer_sites": [3, 4], "capture_sites": [9], "patch_sites": [4],
                                  "bank_rows": 10, "kv_rows": 32, "kv_runs": 2}}
@@ -133,7 +133,7 @@ def test_host_and_plugin_use_the_one_definition_of_each_record():
     records = {name for name, value in vars(contracts).items() if isinstance(value, type)
                and issubclass(value, msgspec.Struct) and value.__module__ == contracts.__name__}
     assert records == {"Steer", "Capture", "KeepGroup", "Keep", "PatchColumns", "KvRange", "StartLayer", "ReuseKv",
-                       "Cells", "RequestPayload", "PluginSpec"}
+                       "Cells", "RequestPayload", "PluginSites", "PluginSpec"}
     for path in PACKAGE.rglob("*.py"):
         if path.name == "contracts.py":
             continue
@@ -147,6 +147,7 @@ def test_host_and_plugin_use_the_one_definition_of_each_record():
     assert runtime.plugin_spec_of is plugin_spec_of and kept_kv.PluginSpec is PluginSpec
     assert sequences.Cells is Cells and patches.PatchColumns is PatchColumns and bank.Keep is Keep
     assert capture.Capture is Capture and steering.Steer is Steer
+    assert issubclass(payload.EngineSpec, contracts.PluginSites)  # the host's spec holds the plugin's sites
     code = ("import sys; sys.modules['torch'] = sys.modules['vllm'] = None; import interp_runner.contracts; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'numpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

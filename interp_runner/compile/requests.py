@@ -249,7 +249,7 @@ def engine_spec_of(requests: Sequence[EngineRequest], bank_rows: int) -> EngineS
         forces = forces or p.force is not None
     patch = {site for column in site_columns for site in unpack_positions(column).tolist()}
     return EngineSpec(tuple(sorted(steer)), tuple(sorted(capture)), tuple(sorted(patch)), bank_rows, kv_rows, kv_runs,
-                      forces)
+                      force_tokens=forces)
 
 
 HASH_CHUNK = 4096  # requests per encoded chunk: bounded memory, one C call each
