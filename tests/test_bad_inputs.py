@@ -5,7 +5,8 @@ checks (model limits, tensor parallelism, scheduler, KV cache, sampling ranges);
 repeat; (4) files and folders that would raise (bad UTF-8, folders, malformed lines, a model without tokenizer or
 weights, chat templates where character spans are needed); (5) Hydra's own errors; (6) input that would be
 converted with loss (strings, floats or bools for ints, int vector files, out-of-range seeds); (7) capture-only sites
-(a MoE router's logits) steered, patched, mixed into an entry of hidden-size hooks, or named for a dense model.
+(a MoE router's logits) steered (a steering vector's hooks included), patched, mixed into an entry of hidden-size
+hooks, or named for a dense model.
 
 Most cases run in this process through ``prepare()`` (what a dry run does); a subset, every Hydra error among them,
 runs through the CLI's ``main`` (in this process: ``support.inprocess``), which must exit 2, name the key, print no
@@ -301,6 +302,15 @@ RECONVERTED = [
 ]
 
 ROUTER = {"hooks": ["router_logits"], "layers": [0]}
+PAIRS, HELDOUT = (REPO / "experiments" / "steering_vectors" / name for name in ("pairs.jsonl", "heldout.jsonl"))
+
+
+def steering_vectors(**section) -> dict:
+    """A steering_vectors run on tiny_qwen3_moe (a MoE model: its router_logits exist, and still cannot be steered)."""
+    return {**base_config("tiny_qwen3_moe", prompts={"items": []}),
+            "steering_vectors": {"pairs": str(PAIRS), "eval": {"prompts": str(HELDOUT)}, **section}}
+
+
 CAPTURE_ONLY = [
     ("router-logits-on-a-dense-model", base_config(capture=[ROUTER]), "capture[0].hooks[0]",
      "exists in the blocks of MoE families with a router: qwen3_moe"),
@@ -326,6 +336,10 @@ CAPTURE_ONLY = [
      "capture[0].layers", "out of range"),
     ("router-logits-twice-in-an-entry", base_config("tiny_qwen3_moe", capture=[
         {**ROUTER, "hooks": ["router_logits", "router_logits"]}]), "capture[0].hooks", "repeat"),
+    ("router-logits-as-a-steering-vector-hook", steering_vectors(hooks=["post_block", "router_logits"]),
+     "steering_vectors.hooks[1]", "capture-only site"),
+    ("router-logits-as-the-evaluated-hook", steering_vectors(eval={"prompts": str(HELDOUT), "hook": "router_logits"}),
+     "steering_vectors.eval.hook", "capture-only site"),
 ]
 
 

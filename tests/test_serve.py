@@ -159,6 +159,10 @@ def test_steered_capture_and_score_match_hf(client, tiny_path):
     ({"steering": {"base": {"attn_out": {"layer": 1, "vector": [0.0] * HIDDEN}}}},
      "interp.steering.attn_out", "not a steered site"),
     ({"capture": {"layers": "all", "hooks": ["pre_attn"]}}, "interp.capture", "not a captured site"),
+    ({"capture": {"layers": 1, "hooks": ["post_block", "router_logits"]}}, "interp.capture.hooks[1]",
+     "exists in the blocks of MoE families with a router"),
+    ({"steering": {"base": {"router_logits": {"layer": 1, "vector": [0.0] * HIDDEN}}}},
+     "interp.steering.base.router_logits", "capture-only site"),
     ({"capture": {"layers": 1, "positions": "all_generated"}, "bogus": 1}, "interp.bogus", "unknown key"),
     ({"steering": {"base": {"post_block": {"layer": 1, "vector": {"name": "nobody"}}}}},
      "interp.steering.base.post_block.vector", "no vector named 'nobody'"),
@@ -405,6 +409,10 @@ def test_sigterm_shuts_down_with_exit_0(server):
      "config error: steering.global.base.post_block.layer: 9 out of range, model has 4 layers"),
     (["model=tiny_random", "serve.sites.capture.layers=7"], "config error: serve.sites.capture.layers: 7 out of range"),
     (["model=tiny_random", "serve.bogus=1"], "config error: serve.bogus"),
+    (["model=tiny_random", "serve.sites.capture.hooks=[router_logits]"],
+     "config error: serve.sites.capture.hooks[0]: 'router_logits' is not a hook of llama blocks"),
+    (["model=tiny_qwen3_moe", "serve.sites.steer.hooks=[router_logits]"],
+     "config error: serve.sites.steer.hooks[0]: 'router_logits' is a capture-only site"),
     (["model=tiny_random", "--", "--no-such-flag"], "config error: serve.args: vLLM refuses the server flags"),
 ])
 def test_bad_config_exits_2_before_the_engine(argv, message, capsys):

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, create_model, field_validator,
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationInfo, create_model, field_validator,
     model_validator,
 )
 
@@ -22,6 +22,17 @@ from interp_runner.sites import CAPTURE_HOOKS, CAPTURE_ONLY_HOOKS, HOOKS, RESIDU
 Hook = Literal[HOOKS]
 CaptureHook = Literal[CAPTURE_HOOKS]  # the hooks plus the capture-only ones (``sites.CAPTURE_ONLY_HOOKS``)
 ResidualHook = Literal[tuple(h for h in HOOKS if h in RESIDUAL_HOOKS)]
+
+
+def _not_capture_only(act: str):
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and value in CAPTURE_ONLY_HOOKS:
+            raise ValueError(capture_only_refusal(value, act))
+        return value
+    return check
+
+
+SteeredHook = Annotated[Hook, BeforeValidator(_not_capture_only("steered"))]  # a capture-only hook refused by name
 # a layer selector: 3, [1, 5], "all", "2:6" (half-open range)
 IndexList = Annotated[list[StrictInt], Field(min_length=1)]
 LayerSelector = Union[StrictInt, IndexList, str]

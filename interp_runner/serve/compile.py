@@ -15,12 +15,14 @@ from interp_runner.config.errors import ConfigError
 from interp_runner.config.schema import Tiers
 from interp_runner.engine.rules import DTYPE_MAX
 from interp_runner.models.facts import ModelFacts
+from interp_runner.models.hook_check import check_plan_hooks
+from interp_runner.models.layouts import layout_for
 from interp_runner.contracts import DECODE, PAYLOAD_KEY, PREFILL, Capture, RequestPayload, Steer
 from interp_runner.payload import pack_positions
 from interp_runner.compile.prompt_set import answer_token
 from interp_runner.compile.requests import Prompt, make_request
 from interp_runner.compile.selectors import parse_layers
-from interp_runner.sites import site_id, site_of
+from interp_runner.sites import ROUTER_LOGITS, site_id, site_of
 from interp_runner.compile.steering import compile_steering
 from interp_runner.serve.settings import CaptureRequest, InterpRequest, SiteSet
 
@@ -38,9 +40,26 @@ class Served:
     capture_sites: frozenset[int]
 
 
+def check_hooks(hooks: list[str], layers: list[int], facts: ModelFacts, where: str) -> None:
+    """Every hook must be one of the model's blocks (``router_logits`` only in a MoE model's, at routed layers)."""
+    layout = layout_for(facts.architecture)
+    for i, hook in enumerate(hooks):
+        check_plan_hooks([site_id(0, hook)], layout, f"{where}.hooks[{i}]")
+    dense = sorted(set(layers) & set(facts.routing.dense_layers)) if ROUTER_LOGITS in hooks else []
+    if dense:
+        raise ConfigError.at(where + ".layers", f"layers {dense} of this model have a dense MLP, without a router "
+                                                f"to capture {ROUTER_LOGITS} from")
+
+
 def site_set(sites: SiteSet, facts: ModelFacts, where: str) -> set[int]:
     layers = parse_layers(sites.layers, facts.num_layers, where + ".layers")
+    check_hooks(sites.hooks, layers, facts, where)
     return {site_id(layer, hook) for hook in sites.hooks for layer in layers}
+
+
+def site_width(site: int, facts: ModelFacts) -> int:
+    """The width of a captured site's rows: the hidden size, or at ``router_logits`` the number of experts."""
+    return facts.routing.num_experts if site_of(site)[1] == ROUTER_LOGITS else facts.hidden_size
 
 
 def steer_entries(tiers: Tiers, where: str, facts: ModelFacts, named: dict[str, np.ndarray], base=None):
@@ -125,6 +144,7 @@ def compile_interp(spec: InterpRequest | None, served: Served, named: dict[str, 
     check_dtype(out.steer, out.vectors, served.dtype, "interp.steering")
     if spec.capture is not None:
         layers = parse_layers(spec.capture.layers, facts.num_layers, "interp.capture.layers")
+        check_hooks(spec.capture.hooks, layers, facts, "interp.capture")
         sites = [site_id(layer, hook) for hook in spec.capture.hooks for layer in layers]
         for site in sites:
             if site not in served.capture_sites:
@@ -138,7 +158,7 @@ def compile_interp(spec: InterpRequest | None, served: Served, named: dict[str, 
     return out
 
 
-def capture_bytes(compiled: Compiled, hidden_size: int, max_tokens: int | None) -> int | None:
+def capture_bytes(compiled: Compiled, facts: ModelFacts, max_tokens: int | None) -> int | None:
     """Bytes of the values a request's capture returns at most (None: unbounded, no max_tokens)."""
     spec = compiled.capture
     if spec is None:
@@ -146,7 +166,8 @@ def capture_bytes(compiled: Compiled, hidden_size: int, max_tokens: int | None) 
     rows = 1 if spec.positions == "last_prompt" else max_tokens
     if rows is None:
         return None
-    return len(compiled.capture_sites) * rows * hidden_size * np.dtype(spec.dtype).itemsize
+    width = sum(site_width(site, facts) for site in compiled.capture_sites)
+    return width * rows * np.dtype(spec.dtype).itemsize
 
 
 def result_json(compiled: Compiled, result: dict) -> dict:

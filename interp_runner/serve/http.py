@@ -126,8 +126,7 @@ class InterpMiddleware:
         compiled = compile_interp(spec, state.served, state.named.vectors, state.tokenizer, state.global_steer,
                                   state.global_vectors)
         max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
-        size = capture_bytes(compiled, state.served.facts.hidden_size, max_tokens if isinstance(max_tokens, int)
-                             else None)
+        size = capture_bytes(compiled, state.served.facts, max_tokens if isinstance(max_tokens, int) else None)
         if size is None:
             raise ConfigError.at("interp.capture.positions", "all_generated needs max_tokens in the request")
         if size > state.settings.max_capture_bytes:

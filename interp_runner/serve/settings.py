@@ -10,14 +10,18 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError
 
 from interp_runner.config.errors import ConfigError, problems_of
-from interp_runner.config.schema import Hook, LayerSelector, Strict, Tiers
+from interp_runner.config.schema import CaptureHook, LayerSelector, SteeredHook, Strict, Tiers
 
 MiB = 1 << 20
 
 
 class SiteSet(Strict):
-    hooks: Annotated[list[Hook], Field(min_length=1)] = ["post_block"]
+    hooks: Annotated[list[SteeredHook], Field(min_length=1)] = ["post_block"]
     layers: LayerSelector = "all"
+
+
+class CaptureSiteSet(SiteSet):
+    hooks: Annotated[list[CaptureHook], Field(min_length=1)] = ["post_block"]  # router_logits too, on a MoE model
 
 
 class Sites(Strict):
@@ -25,7 +29,7 @@ class Sites(Strict):
     graphs hold the ops of these sites and no others). ``steering.global`` sites are added to ``steer``."""
 
     steer: SiteSet = SiteSet()
-    capture: SiteSet = SiteSet()
+    capture: CaptureSiteSet = CaptureSiteSet()
 
 
 class ServeSettings(Strict):
@@ -41,7 +45,8 @@ class ServeSettings(Strict):
 
 
 class CaptureRequest(Strict):
-    hooks: Annotated[list[Hook], Field(min_length=1)] = ["post_block"]
+    # router_logits (a MoE model's): rows of one logit per expert, not the hidden size
+    hooks: Annotated[list[CaptureHook], Field(min_length=1)] = ["post_block"]
     layers: LayerSelector
     positions: Literal["last_prompt", "all_generated"] = "last_prompt"
     dtype: Literal["float16", "float32"] = "float16"

@@ -32,7 +32,7 @@ import xarray as xr
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from interp_runner.config.errors import ConfigError
-from interp_runner.config.schema import Float32, Hook, LayerSelector, Strict, distinct, resolve_path
+from interp_runner.config.schema import Float32, LayerSelector, SteeredHook, Strict, distinct, resolve_path
 from interp_runner.compile.inputs import read_rows
 from interp_runner.contracts import DECODE, PREFILL, Capture, Steer
 from interp_runner.payload import digest, pack_positions
@@ -77,7 +77,7 @@ class HeldOutRow(BaseModel):
 class VectorEval(Strict):
     prompts: str  # JSONL of {text, answer, foil}
     method: Method = "mean_diff"
-    hook: Hook | None = None  # default: the first of steering_vectors.hooks
+    hook: SteeredHook | None = None  # default: the first of steering_vectors.hooks
     scales: Annotated[list[Float32], Field(min_length=1), AfterValidator(distinct)] = [-4.0, -2.0, 2.0, 4.0]
     layers: LayerSelector | None = None  # default: every vector layer
     export: bool = True  # vectors.safetensors, and a GGUF control vector per method of post_block vectors
@@ -88,7 +88,7 @@ class SteeringVectors(Strict):
     """Vectors from contrastive pairs at every (hook, layer) by every method, and their evaluation."""
 
     pairs: str  # JSONL of {positive, negative} or {prompt, positive, negative}
-    hooks: Annotated[list[Hook], Field(min_length=1), AfterValidator(distinct)] = ["post_block"]
+    hooks: Annotated[list[SteeredHook], Field(min_length=1), AfterValidator(distinct)] = ["post_block"]
     layers: LayerSelector = "all"
     methods: Annotated[list[Method], Field(min_length=1), AfterValidator(distinct)] = ["mean_diff", "pca"]
     eval: VectorEval
