@@ -10,6 +10,7 @@ import numpy as np
 from interp_runner.config.errors import ConfigError
 from interp_runner.config.schema import CaptureSpec, RunBase, Tiers
 from interp_runner.models.facts import ModelFacts
+from interp_runner.models.hook_check import check_routed_layers
 from interp_runner.contracts import DECODE, PREFILL, Capture, Steer
 from interp_runner.payload import pack_positions, vector_key
 from interp_runner.compile.plan import CaptureLayout
@@ -83,10 +84,7 @@ def compile_capture(cfg: RunBase, prompts: list[Prompt], facts: ModelFacts):
         for index in targets:
             positions, generated = _capture_positions(spec, prompts[index], where)
             capture[index].append(Capture(tuple(sites), pack_positions(positions), generated))
+        check_routed_layers(spec.hooks, layers, facts.routing, where + ".layers")
         routing = facts.routing if ROUTER_LOGITS in spec.hooks else None
-        dense = sorted(set(layers) & set(routing.dense_layers)) if routing is not None else []
-        if dense:
-            raise ConfigError.at(where + ".layers", f"layers {dense} of this model have a dense MLP, without a router "
-                                 f"to capture {ROUTER_LOGITS} from")
         layouts.append(CaptureLayout(spec.name, tuple(spec.hooks), tuple(layers), spec.dtype, tuple(targets), routing))
     return capture, layouts

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from interp_runner.components import COMPONENTS
 from interp_runner.config.errors import ConfigError
-from interp_runner.sites import CAPTURE_HOOKS, CAPTURE_ONLY_HOOKS, HOOKS, site_of
+from interp_runner.sites import CAPTURE_HOOKS, CAPTURE_ONLY_HOOKS, HOOKS, ROUTER_LOGITS, site_of
 from interp_runner.models.layouts import BlockLayout, router_families
 
 HOOK_KEYS = ("hook", "hooks", "resid_hook", "eval_hook")
@@ -61,6 +61,15 @@ def check_config_hooks(cfg: BaseModel, layout: BlockLayout) -> None:
                 if hook in CAPTURE_HOOKS and hook not in layout.capture_hooks]
     if problems:
         raise ConfigError(problems)
+
+
+def check_routed_layers(hooks, layers, routing, key: str) -> None:
+    """``router_logits`` only at layers whose MLP has a router (``routing``: the model's ``ModelFacts.routing``;
+    ``key``: the layers' config key)."""
+    dense = sorted(set(layers) & set(routing.dense_layers)) if ROUTER_LOGITS in hooks and routing else []
+    if dense:
+        raise ConfigError.at(key, f"layers {dense} of this model have a dense MLP, without a router to capture "
+                                  f"{ROUTER_LOGITS} from")
 
 
 def check_plan_hooks(sites, layout: BlockLayout, key: str) -> None:

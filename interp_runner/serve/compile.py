@@ -15,7 +15,7 @@ from interp_runner.config.errors import ConfigError
 from interp_runner.config.schema import Tiers
 from interp_runner.engine.rules import DTYPE_MAX
 from interp_runner.models.facts import ModelFacts
-from interp_runner.models.hook_check import check_plan_hooks
+from interp_runner.models.hook_check import check_plan_hooks, check_routed_layers
 from interp_runner.models.layouts import layout_for
 from interp_runner.contracts import DECODE, PAYLOAD_KEY, PREFILL, Capture, RequestPayload, Steer
 from interp_runner.payload import pack_positions
@@ -45,10 +45,7 @@ def check_hooks(hooks: list[str], layers: list[int], facts: ModelFacts, where: s
     layout = layout_for(facts.architecture)
     for i, hook in enumerate(hooks):
         check_plan_hooks([site_id(0, hook)], layout, f"{where}.hooks[{i}]")
-    dense = sorted(set(layers) & set(facts.routing.dense_layers)) if ROUTER_LOGITS in hooks else []
-    if dense:
-        raise ConfigError.at(where + ".layers", f"layers {dense} of this model have a dense MLP, without a router "
-                                                f"to capture {ROUTER_LOGITS} from")
+    check_routed_layers(hooks, layers, facts.routing, where + ".layers")
 
 
 def site_set(sites: SiteSet, facts: ModelFacts, where: str) -> set[int]:
