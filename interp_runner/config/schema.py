@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
 from pydantic import (
-    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationInfo, create_model, field_validator,
-    model_validator,
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationInfo, create_model,
+    field_validator, model_validator,
 )
 
 from interp_runner.sites import CAPTURE_HOOKS, CAPTURE_ONLY_HOOKS, HOOKS, RESIDUAL_HOOKS, capture_only_refusal
@@ -32,7 +32,9 @@ def _not_capture_only(act: str):
     return check
 
 
-SteeredHook = Annotated[Hook, BeforeValidator(_not_capture_only("steered"))]  # a capture-only hook refused by name
+# a capture-only hook refused by name where a run acts
+SteeredHook = Annotated[Hook, BeforeValidator(_not_capture_only("steered"))]
+PatchedHook = Annotated[Hook, BeforeValidator(_not_capture_only("patched"))]
 # a layer selector: 3, [1, 5], "all", "2:6" (half-open range)
 IndexList = Annotated[list[StrictInt], Field(min_length=1)]
 LayerSelector = Union[StrictInt, IndexList, str]
@@ -266,17 +268,10 @@ class PatchSpec(Strict):
 
     prompts: PromptSelector
     source: PatchSource
-    hook: Hook
+    hook: PatchedHook
     layers: LayerSelector
     positions: Union[Literal["all"], IndexList, Span] = "all"
     alpha: float = Field(1.0, ge=0, le=1)
-
-    @field_validator("hook", mode="before")
-    @classmethod
-    def _not_capture_only(cls, hook: Any) -> Any:
-        if hook in CAPTURE_ONLY_HOOKS:
-            raise ValueError(capture_only_refusal(hook, "patched"))
-        return hook
 
 
 class Scoring(Strict):
