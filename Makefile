@@ -12,12 +12,12 @@ setup:            ## venv + locked packages + built-in models
 run:              ## causal tracing on the embedded SmolLM2
 	.venv/bin/interp-run +experiment=causal_trace
 
-# pytest-xdist processes: `test` keeps each file in one of them, with the engines its tests share;
-# `test-fast` (no engines) hands out single tests
+# pytest-xdist processes for `test-fast` (no engines); `test` runs in one process: two workers, each holding its
+# engines, outgrow a 24 GB machine
 TEST_WORKERS ?= 2
 
 test:             ## the whole CPU test suite
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q
 
 test-fast:        ## unit tests only (no engine, no process of its own, nothing slow)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not engine and not cli and not slow"
