@@ -227,19 +227,6 @@ def ieee_float32_dots(tmp_path_factory):
         yield
 
 
-@pytest.fixture(scope="module")
-def cached_tokenizers():
-    """prepare() loads the tokenizer on every call (~0.4 s): load each one once for the module using this."""
-    import functools
-
-    from interp_runner import pipeline
-
-    original = pipeline.load_tokenizer
-    pipeline.load_tokenizer = functools.lru_cache(maxsize=None)(original)
-    yield
-    pipeline.load_tokenizer = original
-
-
 class FakeEngineBase:
     """The engine interface the pipeline drives, doing nothing."""
 

@@ -36,11 +36,6 @@ ON_CPU = pytest.mark.skipif(has_cuda(), reason="a CPU rule")
 ENGINE_LOG = ("engine started", "engine reused", "engine start")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _tokenizers_once(cached_tokenizers):
-    yield
-
-
 # ---------------------------------------------------------------- inputs on disk
 
 

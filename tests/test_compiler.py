@@ -494,3 +494,27 @@ def test_sampling_params_construct_and_payload_survives_msgpack(compile_):
     # unsteered, uncaptured requests carry no extra_args at all
     params = SamplingParams(**compile_(cfg()).requests[0].sampling)
     assert not params.extra_args
+
+
+def test_a_folder_s_tokenizer_loads_once_until_its_files_change(tmp_path, tiny_path):
+    """prepare() runs for every job of a sweep and every config of a session: the folder's tokenizer is loaded once
+    and shared while its files stay as they were; a changed file is read again."""
+    import json
+    import shutil
+
+    from interp_runner.compile.tokens import TextTokenizer
+    from interp_runner.models.materialize import TOKENIZER_FILES
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", *TOKENIZER_FILES):
+        if (tiny_path / name).exists():
+            shutil.copy2(tiny_path / name, folder / name)
+    first, again = TextTokenizer(folder), TextTokenizer(folder)
+    assert again.hf is first.hf and again("Hello, my name is") == first("Hello, my name is")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["model_max_length"] = 123
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    changed = TextTokenizer(folder)
+    assert changed.hf is not first.hf and changed.hf.model_max_length == 123
+    assert first.hf.model_max_length != 123

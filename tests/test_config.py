@@ -27,11 +27,6 @@ HIDDEN = 128  # tiny_random
 V = [0.25] * HIDDEN
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _tokenizers_once(cached_tokenizers):
-    yield
-
-
 def problems(config: dict, base: Path | None = None) -> dict[str, str]:
     with pytest.raises(ConfigError) as err:
         prepare(config, base=base)

@@ -29,11 +29,6 @@ METHODS = ["mean_diff", "pca"]
 POST_BLOCK_SITE = 4  # site id = layer * 5 + hook index; post_block is the 5th hook (interp_runner/sites.py)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _tokenizers_once(cached_tokenizers):
-    yield
-
-
 def stored_vectors(hooks=("post_block", "mlp_out"), hidden=HIDDEN) -> np.ndarray:
     """[method, hook, layer, hidden] float32 values whose low bits matter (no round numbers)."""
     rng = np.random.default_rng(7)

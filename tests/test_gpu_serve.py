@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support.hf_oracle import forward
-from test_serve import _complete, free_port, start_server, values_of
+from test_serve import _complete, free_port, start_server, stop_server, values_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
@@ -61,8 +61,7 @@ def test_gpu_compiled_server_matches_hf(tmp_path, smollm2_path):
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=120) == 0
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            stop_server(proc)
 
 
 @pytest.mark.xfail(strict=True, reason="any op in a compiled graph changes Inductor's fusion and so the numbers of "
@@ -108,9 +107,5 @@ def test_gpu_unsteered_requests_equal_stock_vllm_serve_bit_for_bit(tmp_path, smo
             assert any(got[len(prompts) + i][0] != want[i][0] for i in range(len(prompts)))  # steering bites
         finally:
             for proc in (stock, interp):
-                if proc is not None and proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    try:
-                        proc.wait(timeout=60)
-                    except Exception:
-                        proc.kill()
+                if proc is not None:
+                    stop_server(proc)

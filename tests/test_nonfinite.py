@@ -64,7 +64,7 @@ def problems(config: dict) -> list[tuple[str, str]]:
     return err.value.problems
 
 
-def test_a_steering_term_whose_squares_leave_float32_is_refused_naming_its_scale(cached_tokenizers):
+def test_a_steering_term_whose_squares_leave_float32_is_refused_naming_its_scale():
     unit = UNIT.tolist()
     cfg = base_config(steering={"global": {"base": {"post_block": {"layer": 1, "vector": unit, "scale": 1e30}}}})
     (path, reason), = problems(cfg)
@@ -79,7 +79,7 @@ def test_a_steering_term_whose_squares_leave_float32_is_refused_naming_its_scale
     prepare(base_config(steering={"global": unit_steering("base")}))
 
 
-def test_steering_vector_scales_whose_square_leaves_float32_are_refused_by_index(cached_tokenizers):
+def test_steering_vector_scales_whose_square_leaves_float32_are_refused_by_index():
     from test_steering_vectors import sv_config
 
     (path, reason), = problems(sv_config(eval={"scales": [1.0, -2.0, 3e38]}))

@@ -49,7 +49,7 @@ def start_server(overrides: list[str], port: int, log, command: list[str] | None
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     name = "the server" if command else "interp-serve"
     proc = subprocess.Popen((command or serve_command()) + overrides, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=str(Path(__file__).resolve().parent.parent))
+                            cwd=str(Path(__file__).resolve().parent.parent), start_new_session=True)
     deadline = time.time() + START_TIMEOUT
     while True:
         if proc.poll() is not None:
@@ -60,9 +60,31 @@ def start_server(overrides: list[str], port: int, log, command: list[str] | None
             return proc
         except (urllib.error.URLError, ConnectionError, OSError):
             if time.time() > deadline:
-                proc.kill()
+                stop_server(proc)
                 pytest.fail(f"{name} did not start")
             time.sleep(0.5)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Stop a server from ``start_server`` as its user would (SIGTERM), then kill whatever of its process group is
+    left (the engine core a killed server leaves behind, 2 GB each, would outlive the test session)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    if group_alive(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +100,7 @@ def server(tmp_path_factory, tiny_path):
                          "serve.sites.steer.hooks=[post_block,mlp_out]", f"serve.vector_dirs=[{folder}]",
                          "--", "--port", str(port), "--api-key", API_KEY, "--disable-uvicorn-access-log"], port, log)
     yield {"proc": proc, "base": f"http://127.0.0.1:{port}", "vector_dir": folder, "log": log}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -396,9 +416,14 @@ def test_api_key_guards_interp_routes(server):
 
 
 def test_sigterm_shuts_down_with_exit_0(server):
+    """Exit 0, and no process the server started (vLLM's engine core among them) outlives it."""
     proc = server["proc"]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
+    deadline = time.time() + 10  # orphans are reaped by init a moment later
+    while group_alive(proc.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not group_alive(proc.pid)
 
 
 # -- the command line, before any engine -----------------------------------------------------------------------------

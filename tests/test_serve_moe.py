@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from support import hf_gpt_moe_oracle as family_oracle
-from test_serve import API_KEY, free_port, http, start_server, values_of
+from test_serve import API_KEY, free_port, http, start_server, stop_server, values_of
 
 pytestmark = pytest.mark.engine
 
@@ -25,9 +25,7 @@ def server(tmp_path_factory):
                          "serve.sites.capture.hooks=[router_logits,post_block]", "--", "--port", str(port),
                          "--api-key", API_KEY, "--disable-uvicorn-access-log"], port, log)
     yield {"proc": proc, "base": f"http://127.0.0.1:{port}", "log": log}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    stop_server(proc)
 
 
 def complete(server, interp: dict, max_tokens: int) -> dict:

@@ -130,7 +130,7 @@ def problems(config: dict) -> list[tuple[str, str]]:
     return err.value.problems
 
 
-def test_stage_0_reads_every_pair_at_its_last_token_and_stage_1_is_the_grid(cached_tokenizers):
+def test_stage_0_reads_every_pair_at_its_last_token_and_stage_1_is_the_grid():
     plan = prepare(sv_config(hooks=["post_block", "mlp_out"], layers=[0, 2, 3], eval={"layers": [2, 3]})).plan
     pairs = [json.loads(line) for line in PAIRS.read_text().splitlines()]
     stage0 = [r for r in plan.requests if r.stage == 0]
@@ -172,7 +172,7 @@ def test_stage_0_reads_every_pair_at_its_last_token_and_stage_1_is_the_grid(cach
     assert set(derived) == {k for ks in keys.values() for k in ks}
 
 
-def test_ab_pairs_are_the_prompt_and_one_completion_token(tmp_path, cached_tokenizers, smollm2_path):
+def test_ab_pairs_are_the_prompt_and_one_completion_token(tmp_path, smollm2_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
@@ -185,7 +185,7 @@ def test_ab_pairs_are_the_prompt_and_one_completion_token(tmp_path, cached_token
     assert plan.layout.completions
 
 
-def test_bad_inputs_name_their_key(tmp_path, cached_tokenizers):
+def test_bad_inputs_name_their_key(tmp_path):
     two_tokens = [*AB_PAIRS[:1], {**AB_PAIRS[1], "negative": "A)"}]
     assert problems(sv_config(pairs=write_jsonl(tmp_path / "ab.jsonl", two_tokens)))[0][0] == \
         "steering_vectors.pairs[1].negative"
@@ -208,7 +208,7 @@ def test_bad_inputs_name_their_key(tmp_path, cached_tokenizers):
     assert "'prompts' cannot be combined with 'steering_vectors'" in reason
 
 
-def test_pairs_whose_two_texts_are_the_same_tokens_are_refused(tmp_path, cached_tokenizers):
+def test_pairs_whose_two_texts_are_the_same_tokens_are_refused(tmp_path):
     rows = [{"positive": "I liked it", "negative": "I hated it"}, {"positive": "Same text", "negative": "Same text"}]
     (key, why), = problems(sv_config(pairs=write_jsonl(tmp_path / "same.jsonl", rows)))
     assert key == "steering_vectors.pairs[1].negative" and "same tokens as its positive" in why
@@ -233,7 +233,7 @@ def fake_stage_results(plan, acts: dict) -> dict:
     return out
 
 
-def test_store_marks_degenerate_vectors_and_signs_pca_by_the_mean_difference(tmp_path, cached_tokenizers):
+def test_store_marks_degenerate_vectors_and_signs_pca_by_the_mean_difference(tmp_path):
     """Captures made here: at pre_attn L0 the pairs differ by 1e-7 of activations of norm about 10 (no direction);
     at post_block L1 17 of 24 pairs differ by +1 along an axis and 7 by -9 (the mean points down, most pairs up);
     elsewhere every pair differs along one direction. Checked against numpy by hand."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 
 
@@ -16,14 +18,32 @@ class TokenizerError(ValueError):
         self.key = key
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npy")
+
+
+def folder_signature(folder: Path) -> tuple:
+    """Name, size and modification time of each file in ``folder`` that a tokenizer may read (all but weights):
+    a tokenizer loaded from it stays valid while this is unchanged."""
+    with os.scandir(folder) as entries:
+        return tuple(sorted((e.name, e.inode(), e.stat().st_size, e.stat().st_mtime_ns) for e in entries
+                            if e.is_file() and not e.name.endswith(WEIGHT_SUFFIXES)))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(folder: str, signature: tuple):
+    """transformers' tokenizer of ``folder`` as it was at ``signature``, loaded once per process (a sweep's jobs, a
+    server's requests and a test session's configs read the same folder over and over; encoding leaves it as it was)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 class TextTokenizer:
     def __init__(self, folder: Path, chat_template: bool = False):
-        from transformers import AutoTokenizer
-
         if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
             raise TokenizerError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(folder))
+            self.hf = _load_hf(str(Path(folder).resolve()), folder_signature(Path(folder)))
         except Exception as err:  # transformers raises many kinds for a missing or damaged tokenizer
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise TokenizerError(f"no usable tokenizer in {folder}: {reason}") from None
