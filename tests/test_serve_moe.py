@@ -114,3 +114,21 @@ def test_router_logits_at_dense_layers_are_refused_at_start(tmp_path):
     assert err.value.problems[0][0] == "interp.capture.layers" and "dense MLP" in err.value.problems[0][1]
     both = compiled({"hooks": ["router_logits", "post_block"], "layers": [0, 2], "positions": "all_generated"})
     assert capture_bytes(both, prepared.served.facts, 5) == (2 * EXPERTS + 2 * HIDDEN) * 5 * 2  # float16 rows
+
+
+def test_a_killed_server_leaves_no_engine_core(server):
+    """SIGKILL gives the server no chance to stop its engine core (a process of its own, holding the model): the
+    core sees its parent gone and ends (``plugin.parent_watch``). Last: it ends the module's server."""
+    import os
+    import time
+
+    from test_serve import group_alive
+
+    proc = server["proc"]
+    assert len(os.popen(f"pgrep -g {proc.pid}").read().split()) > 1  # the server and its engine core
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 15
+    while group_alive(proc.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not group_alive(proc.pid)

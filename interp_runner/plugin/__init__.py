@@ -17,8 +17,9 @@ def register() -> None:
     global _registered
     if _registered or os.environ.get(ENABLE_ENV) != "1":
         return
-    from interp_runner.plugin import kv_groups, layers, ops, prefix_cache, runners, seeded_loader
+    from interp_runner.plugin import kv_groups, layers, ops, parent_watch, prefix_cache, runners, seeded_loader
 
+    parent_watch.start()
     ops.register_ops()
     seeded_loader.register()
     layers.instrument_decoder_layers()
