@@ -1,7 +1,7 @@
 """Payload size and plan compile time of an experiment, compiled only (no engine starts).
 
 Compiles the plan of an experiment (default ``+experiment=causal_trace_full``) ``--repeats`` times and reports the
-median compile time (``pipeline.prepare``, as ``interp-run`` times it: with the heap's collector off), wall and
+median compile time (``pipeline.prepare``, as ``interp-run`` times it; it compiles with the heap's collector off), wall and
 CPU seconds of this process (on a shared machine the CPU time is the steadier of the two), then measures
 what the requests' payloads weigh as vLLM carries them between processes: each request's ``SamplingParams``
 (``EngineRequest.sampling_params``) and its ``extra_args`` encoded with vLLM's own ``MsgpackEncoder`` (the encoder
@@ -38,15 +38,9 @@ def config_of(overrides: list[str]) -> dict:
 def compile_once(config: dict):
     from interp_runner.pipeline import prepare
 
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        t0, c0 = time.perf_counter(), time.process_time()
-        prepared = prepare(config, base=REPO)
-        return prepared, time.perf_counter() - t0, time.process_time() - c0
-    finally:
-        if enabled:
-            gc.enable()
+    t0, c0 = time.perf_counter(), time.process_time()
+    prepared = prepare(config, base=REPO)
+    return prepared, time.perf_counter() - t0, time.process_time() - c0
 
 
 def transported_bytes(sampling_params, encoder) -> int:

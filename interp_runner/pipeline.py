@@ -9,7 +9,7 @@ import gc
 import shutil
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,7 +32,7 @@ from interp_runner.models.facts import ModelFacts, UnsupportedModel, embedding_r
 from interp_runner.models.hook_check import check_config_hooks, check_plan_hooks
 from interp_runner.models.layouts import layout_for
 from interp_runner.models.materialize import model_folder
-from interp_runner.compile.plan import Plan
+from interp_runner.compile.plan import Plan, collector_paused
 from interp_runner.progress import StageProgress, on_terminal
 from interp_runner.report import write_report
 from interp_runner.compile.requests import EngineRequest
@@ -69,14 +69,15 @@ def prepare(config: dict, base: Path | None = None) -> Prepared:
         tokenizer = load_tokenizer(folder, cfg.prompts.chat_template)
         rows = (lambda ids: embedding_rows(folder, ids)) if weights_seed is None else (
             lambda ids: seeded.embedding_rows(folder, weights_seed, ids))
-        plan = kind.compile(cfg, facts, tokenizer, base, rows)
-        spec = plan.engine_spec
-        check_plan_hooks(spec.steer_sites + spec.capture_sites + spec.patch_sites, layout_for(facts.architecture),
-                         "model.path" if cfg.model.path else "model.name")
+        with collector_paused():
+            plan = kind.compile(cfg, facts, tokenizer, base, rows)
+            spec = plan.engine_spec
+            check_plan_hooks(spec.steer_sites + spec.capture_sites + spec.patch_sites, layout_for(facts.architecture),
+                             "model.path" if cfg.model.path else "model.name")
+            check_plan_values(plan, cfg, facts)
     except (UnsupportedModel, TokenizerError) as err:
         raise ConfigError.at(getattr(err, "key", None) or ("model.path" if cfg.model.path else "model.name"),
                              str(err)) from None
-    check_plan_values(plan, cfg, facts)
     return Prepared(cfg, facts, plan, tokenizer, kind)
 
 
@@ -207,21 +208,6 @@ def _figure_workers(kind: Kind, cfg: RunConfig, plan: Plan):
     return workers or nullcontext()
 
 
-@contextmanager
-def plan_heap():
-    """No garbage collection while the plan compiles (each pass would traverse its growing heap again), then the
-    heap frozen: the plan lives as long as the run, and no pass traverses it again (vLLM's start collects several
-    times, a second or more each over a large plan, before it freezes the heap itself, for good; so would exit)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-        gc.freeze()
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def default_store_path(run_dir: Path) -> Path:
     return run_dir / "results.zarr"
 
@@ -240,8 +226,10 @@ def run(
     is built for this run (with ``engine_factory``, default ``VllmEngine``)."""
     started_at = provenance.now()
     timings, t_plan = {}, time.perf_counter()
-    with plan_heap():
-        prepared = prepare(config, base=Path.cwd())
+    prepared = prepare(config, base=Path.cwd())
+    # the plan lives as long as the run: frozen, no collection traverses it again (vLLM's start collects several
+    # times, a second or more each over a large plan, before it freezes the heap itself, for good; so would exit)
+    gc.freeze()
     timings["plan_s"] = round(time.perf_counter() - t_plan, 2)
     cfg, facts, plan, kind = prepared.cfg, prepared.facts, prepared.plan, prepared.kind
     spec = plan.engine_spec
