@@ -22,11 +22,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npy")
 
 
 def folder_signature(folder: Path) -> tuple:
-    """Name, size and modification time of each file in ``folder`` that a tokenizer may read (all but weights):
-    a tokenizer loaded from it stays valid while this is unchanged."""
+    """Name, inode, size and modification time of each file in ``folder`` that a tokenizer may read (all but
+    weights): a tokenizer loaded from it stays valid while this is unchanged."""
     with os.scandir(folder) as entries:
-        return tuple(sorted((e.name, e.inode(), e.stat().st_size, e.stat().st_mtime_ns) for e in entries
-                            if e.is_file() and not e.name.endswith(WEIGHT_SUFFIXES)))
+        files = [(e.name, e.inode(), e.stat()) for e in entries
+                 if e.is_file() and not e.name.endswith(WEIGHT_SUFFIXES)]
+    return tuple(sorted((name, inode, st.st_size, st.st_mtime_ns) for name, inode, st in files))
 
 
 @functools.lru_cache(maxsize=8)
