@@ -105,6 +105,9 @@ def test_rerun_reproduces_bit_for_bit(rerun, store, capsys):
     assert proc.returncode == EXIT_MATCH, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "OK: all 24 arrays match" in proc.stdout and "comparison: exact (same kernel path" in proc.stdout
     assert "teacher-forced" not in proc.stdout
+    # a quiet console, as interp-run's: vLLM's lines go to the log file beside the rerun's store
+    assert "engine started" in proc.stdout and "Resolved architecture" not in proc.stdout + proc.stderr
+    assert "Resolved architecture" in (new.parent / f"{new.name}.log").read_text()
     attrs = dict(zarr.open_group(str(new), mode="r").attrs)
     assert attrs["status"] == "complete" and "--rerun" in attrs["command"]
     # only where the store went differs in the config

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from interp_runner import run_log
 from interp_runner.verify.report import Report, compare, print_report
 from interp_runner.verify.rerun import rerun, rerun_config
 from interp_runner.store.result_arrays import value_kind
@@ -52,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
                     "temporary folder, removed when the results match")
     ap.add_argument("--exact", action="store_true", help="compare every value exactly, whatever the devices (a rerun "
                     "then runs free, never teacher-forced)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="with --rerun: vLLM's, torch's and transformers' log "
+                    "lines on the console too (they always go to the log file beside the rerun's store)")
     return ap
 
 
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             out = args.out
             if out is None:
                 out = temporary = Path(tempfile.mkdtemp(prefix="interp-verify-"))
-            new, ref = open_store(rerun(store, out, exact=args.exact)), store
+            run_log.install(args.verbose)  # a quiet console, as interp-run's
+            new, ref = open_store(rerun(store, out, log=run_log.say, exact=args.exact)), store
         else:
             new, ref = store, open_store(args.against)
         report = compare(new, ref, exact=args.exact)
