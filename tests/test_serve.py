@@ -73,6 +73,14 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
+def group_ends(pgid: int, within: float) -> bool:
+    """Whether process group ``pgid`` is gone within ``within`` seconds (an orphan is reaped a moment after it ends)."""
+    deadline = time.time() + within
+    while group_alive(pgid) and time.time() < deadline:
+        time.sleep(0.2)
+    return not group_alive(pgid)
+
+
 def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
     """Stop a server from ``start_server`` as its user would (SIGTERM), then kill whatever of its process group is
     left (the engine core a killed server leaves behind, 2 GB each, would outlive the test session)."""
@@ -420,10 +428,7 @@ def test_sigterm_shuts_down_with_exit_0(server):
     proc = server["proc"]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
-    deadline = time.time() + 10  # orphans are reaped by init a moment later
-    while group_alive(proc.pid) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not group_alive(proc.pid)
+    assert group_ends(proc.pid, within=10)
 
 
 # -- the command line, before any engine -----------------------------------------------------------------------------

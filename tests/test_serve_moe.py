@@ -120,15 +120,11 @@ def test_a_killed_server_leaves_no_engine_core(server):
     """SIGKILL gives the server no chance to stop its engine core (a process of its own, holding the model): the
     core sees its parent gone and ends (``plugin.parent_watch``). Last: it ends the module's server."""
     import os
-    import time
 
-    from test_serve import group_alive
+    from test_serve import group_ends
 
     proc = server["proc"]
     assert len(os.popen(f"pgrep -g {proc.pid}").read().split()) > 1  # the server and its engine core
     proc.kill()
     proc.wait()
-    deadline = time.time() + 15
-    while group_alive(proc.pid) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not group_alive(proc.pid)
+    assert group_ends(proc.pid, within=15)
