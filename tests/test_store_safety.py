@@ -506,8 +506,8 @@ def test_vector_files_holding_pickles_are_refused_and_never_run(tmp_path):
         assert not marker.exists()
 
 
-def test_interp_verify_never_runs_a_python_tag_in_a_store_config(tmp_path, capsys):
-    from interp_runner import verify
+def test_interp_verify_never_runs_a_python_tag_in_a_store_config(tmp_path):
+    from support.inprocess import interp_verify  # as a process would: a rerun routes the process's logging
 
     store = tmp_path / "results.zarr"
     golden_copy(store)
@@ -517,8 +517,8 @@ def test_interp_verify_never_runs_a_python_tag_in_a_store_config(tmp_path, capsy
     meta["attributes"]["config_sha256"] = "0" * 64  # so that comparing with another store reads it too
     (store / "zarr.json").write_text(json.dumps(meta))
     for args in (["--rerun", "--out", str(tmp_path / "out")], ["--against", str(GOLDEN)]):
-        assert verify.main([str(store), *args]) == 2
-        assert "config_yaml is not plain YAML" in capsys.readouterr().err
+        proc = interp_verify(store, *args)
+        assert proc.returncode == 2 and "config_yaml is not plain YAML" in proc.stderr
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 

@@ -39,6 +39,11 @@ def attrs_of(path: Path) -> dict:
 
 
 def run_verify(capsys, *args) -> tuple[int, str, str]:
+    """interp-verify's exit status, stdout and stderr. A rerun goes as a process of its own would (``interp_verify``):
+    it routes the process's logging as the tool does, which later tests in this process must not inherit."""
+    if "--rerun" in args:
+        proc = interp_verify(*args)
+        return proc.returncode, proc.stdout, proc.stderr
     code = main([str(a) for a in args])
     out = capsys.readouterr()
     return code, out.out, out.err
