@@ -25,7 +25,8 @@
 #
 # runners: every one-GPU test file under V1 and under V2 (VLLM_USE_V2_MODEL_RUNNER=0 / 1), the eight (runner, file
 # group) jobs spread over the visible GPUs side by side (4 GPUs: two jobs each, ~10 minutes), logs pytest_v1_*.log and
-# pytest_v2_*.log. RUNNER_ONLY="gpu trace" keeps those groups (gpu, trace, families, serve): on one GPU, a few a call.
+# pytest_v2_*.log. RUNNER_ONLY="gpu trace" keeps those groups (gpu, trace, families, serve) under both runners, and
+# "v1:gpu v2:serve" a group under one runner: on one GPU, a few a call. Jobs, in the groups' order, go to the GPUs in turn.
 #
 # Two GPUs (nvidia-h100-x2):  bash bench/gpu_check.sh setup tp bench-tp sweep tp-cpu-tests
 # tp (tests/test_gpu_tensor_parallel.py: TP = 2 against TP = 1, compiled, float32 and teacher-forced bfloat16),
@@ -180,8 +181,11 @@ stage_runners() {
   IFS=, read -r -a gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)}"
   local runner group
   for group in "${RUNNER_GROUPS[@]}"; do
-    [ -n "${RUNNER_ONLY:-}" ] && [[ " $RUNNER_ONLY " != *" ${group%%:*} "* ]] && continue
-    for runner in 0 1; do jobs+=("$runner:$group"); done
+    for runner in 0 1; do  # RUNNER_ONLY names a group under both runners ("gpu") or under one ("v1:gpu")
+      [ -n "${RUNNER_ONLY:-}" ] && [[ " $RUNNER_ONLY " != *" ${group%%:*} "* ]] \
+        && [[ " $RUNNER_ONLY " != *" v$(( runner + 1 )):${group%%:*} "* ]] && continue
+      jobs+=("$runner:$group")
+    done
   done
   for (( g = 0; g < ${#gpus[@]}; g++ )); do
     (
