@@ -112,7 +112,8 @@ def test_tp2_matches_tp1_and_ranks_agree(runs, job):
     for name, var in one.data_vars.items():
         if var.dtype.kind == "f" and name != "recovered":
             a, b = var.values, two[name].values
-            scale = max(float(np.nanmax(np.abs(a))), 1.0)
+            finite = np.abs(a[np.isfinite(a)])  # none in ``gen`` when no token is generated
+            scale = max(float(finite.max()), 1.0) if finite.size else 1.0
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale if var.dtype != np.float16 else 1e-2 * scale,
                                        err_msg=name)
     lp = one["answer_logprob"].values
