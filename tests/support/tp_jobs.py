@@ -79,6 +79,10 @@ def run_jobs(tmp: Path, tp: int, jobs: list[tuple[dict, Path]], timeout: float =
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if tp > 1 else "0",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor{tp}"), **(extra_env or {})}
+    if all(cfg.get("engine", {}).get("enforce_eager") for cfg, _ in jobs):
+        # vLLM torch.compiles its TP embedding's integer masking even in eager engines: on a CPU an Inductor build in
+        # every worker, each also probing the CPU's vector units in a fresh Python process (~15 s a TP = 2 engine)
+        env.setdefault("TORCH_COMPILE_DISABLE", "1")
     args = [sys.executable, "-c", RUNNER, str(spec), *([str(closed)] if closed is not None else [])]
     out = subprocess.run(args, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
     log = tmp / f"tp{tp}.log"
