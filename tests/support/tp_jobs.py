@@ -164,6 +164,12 @@ def compiled(ds: xr.Dataset) -> bool:
     return eager is False and bool(ds.attrs["host"]["gpus"])
 
 
+def scale_of(a: np.ndarray) -> float:
+    """The largest |value| among ``a``'s finite values, at least 1: what a TP comparison's tolerance is a share of."""
+    finite = np.abs(a[np.isfinite(a)])
+    return max(float(finite.max()), 1.0) if finite.size else 1.0
+
+
 def float_arrays(ds: xr.Dataset) -> list[str]:
     return sorted(name for name, var in ds.data_vars.items() if var.dtype.kind == "f")
 
@@ -180,7 +186,7 @@ def within_bf16(one: xr.Dataset, two: xr.Dataset, ref: xr.Dataset) -> list[str]:
         if not np.isfinite(a).any():
             continue
         bf16_cost = float(np.nanmax(np.abs(a - r)))  # what bfloat16 costs here, at the reference TP size
-        tol = max(BF16_FACTOR * bf16_cost, 1e-6 * max(float(np.nanmax(np.abs(a))), 1.0))
+        tol = max(BF16_FACTOR * bf16_cost, 1e-6 * scale_of(a))
         err = float(np.nanmax(np.abs(b - a)))
         lines.append(f"{name} {err:.4g}/{tol:.4g}")
         assert err <= tol, f"{name}: differs by {err:.4g} > {tol:.4g} (bf16 vs fp32: {bf16_cost:.4g})"
