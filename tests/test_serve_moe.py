@@ -5,11 +5,13 @@ naming the key. One server for the module. (A dense model's ``router_logits``: `
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from support import hf_gpt_moe_oracle as family_oracle
-from test_serve import API_KEY, free_port, http, start_server, stop_server, values_of
+from test_serve import API_KEY, free_port, group_ends, http, start_server, stop_server, values_of
 
 pytestmark = pytest.mark.engine
 
@@ -119,10 +121,6 @@ def test_router_logits_at_dense_layers_are_refused_at_start(tmp_path):
 def test_a_killed_server_leaves_no_engine_core(server):
     """SIGKILL gives the server no chance to stop its engine core (a process of its own, holding the model): the
     core sees its parent gone and ends (``plugin.parent_watch``). Last: it ends the module's server."""
-    import os
-
-    from test_serve import group_ends
-
     proc = server["proc"]
     assert len(os.popen(f"pgrep -g {proc.pid}").read().split()) > 1  # the server and its engine core
     proc.kill()
