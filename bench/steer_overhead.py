@@ -20,8 +20,9 @@ Every request decodes exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, 
 the wall time of ``LLM.generate`` over the whole batch, on the interp engine followed by ``VllmEngine.collect``,
 which takes the requests' results off the workers (as ``VllmEngine.run`` does; for ``idle`` and ``steered`` it
 returns nothing). Goals, in the table: ``steered`` at most +3% time vs ``idle``, ``idle`` at most +1% vs
-``stock``, ``capture`` at most 3% less throughput than ``idle``. Prints a table last; ``--json`` keeps
-everything.
+``stock``, ``capture`` at most 3% less throughput than ``idle``. Prints a table last, then where the interp
+engine's time goes (the collect call's share of each timed run, and one untimed run per condition with the plugin's
+and the runner's calls timed in every worker, TP workers included); ``--json`` keeps everything.
 
     python bench/steer_overhead.py --model smollm2_135m
     python bench/steer_overhead.py --model llama8b-random          # random-weight 8B-shaped Llama
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,8 @@ def plans(args, folder: Path) -> dict:
     base = {
         # a dummy-weights folder has no weight files: compiled as seeded weights (the engine draws vLLM's dummy ones)
         "model": {"name": "bench", "path": str(folder), **({"weights": "seeded"} if args.dummy else {})},
-        "engine": {"dtype": args.dtype, "enforce_eager": args.eager, "max_model_len": args.max_model_len},
+        "engine": {"dtype": args.dtype, "enforce_eager": args.eager, "max_model_len": args.max_model_len,
+                   "tensor_parallel_size": args.tp},
         "prompts": {"items": prompts},
         "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
     }
@@ -183,10 +185,21 @@ def generate(llm, plan, engine=None):
     collected = {}
     t0, c0 = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    generated = time.perf_counter()
     if engine is not None:
         collected = engine.collect([r.rid for r in plan.requests])
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return dt, cpu, [list(o.outputs[0].token_ids) for o in outputs], collected
+    end, cpu = time.perf_counter(), time.process_time() - c0
+    return Run(end - t0, cpu, end - generated, [list(o.outputs[0].token_ids) for o in outputs], collected)
+
+
+class Run(NamedTuple):
+    """One timed run: wall and CPU seconds (generation and collection), the collection's own wall seconds."""
+
+    wall_s: float
+    cpu_s: float
+    collect_s: float
+    tokens: list[list[int]]
+    collected: dict
 
 
 def check_captures(plan, collected: dict, hidden: int) -> dict:
@@ -220,20 +233,36 @@ def check_captures(plan, collected: dict, hidden: int) -> dict:
 
 
 def planner_profile(llm, plan, engine) -> dict:
-    """Host time per step (untimed extra run): the planner, the model forward (graph replay or launches, the
-    planner included), execute_model and sample_tokens; the collection of the run's results; and the CUDA-graph
-    mode of each forward."""
-    from vllm.forward_context import get_forward_context
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    """Where a run's time goes (an untimed extra run): on the host, generation and the collection of results; in
+    every worker (through ``collective_rpc``, so in TP workers' own processes too), the plugin's planner, its
+    after-forward work, its collect and the results' packing, and the runner's ``execute_model`` and
+    ``sample_tokens``. Per rank: steps, mean / median / max microseconds, total milliseconds."""
+    llm.collective_rpc(_install_worker_timers)
+    try:
+        run = generate(llm, plan, engine)
+    finally:
+        per_rank = llm.collective_rpc(_fetch_worker_timers)
+    ranks = []
+    for spent in per_rank:
+        ranks.append({key: {"steps": len(values), "mean_us": 1e6 * statistics.fmean(values),
+                            "median_us": 1e6 * statistics.median(values), "max_us": 1e6 * max(values),
+                            "total_ms": 1e3 * sum(values)} for key, values in spent.items() if values})
+    return {"wall_s": run.wall_s, "collect_s": run.collect_s, "ranks": ranks}
 
+
+def _install_worker_timers(worker) -> None:
+    """(Runs in each worker.) Wrap the calls ``planner_profile`` times; ``_fetch_worker_timers`` unwraps them."""
+    import time
+    from collections import defaultdict
+
+    from interp_runner.plugin import worker as worker_module
     from interp_runner.plugin.runtime import InterpState
 
-    spent = defaultdict(list)
-    modes = defaultdict(int)
-    patched = []
+    spent, patched = defaultdict(list), []
 
-    def timed(owner, name, key, note_mode=False):
+    def timed(owner, name, key):
         original = getattr(owner, name)
+        own = name in vars(owner)
 
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
@@ -241,29 +270,29 @@ def planner_profile(llm, plan, engine) -> dict:
                 return original(*args, **kwargs)
             finally:
                 spent[key].append(time.perf_counter() - t0)
-                if note_mode:
-                    modes[str(get_forward_context().cudagraph_runtime_mode)] += 1
 
-        patched.append((owner, name, original))
+        patched.append((owner, name, original if own else None))
         setattr(owner, name, wrapper)
 
     timed(InterpState, "before_forward", "planner")
+    timed(InterpState, "after_forward", "after_forward")
     timed(InterpState, "collect", "collect")
-    timed(GPUModelRunner, "_model_forward", "model_forward", note_mode=True)
-    timed(GPUModelRunner, "execute_model", "execute_model")
-    timed(GPUModelRunner, "sample_tokens", "sample_tokens")
-    t0 = time.perf_counter()
-    try:
-        generate(llm, plan, engine)
-    finally:
-        for owner, name, original in reversed(patched):
+    timed(worker_module, "send_results", "send_results")
+    for name in ("execute_model", "sample_tokens"):
+        timed(worker.model_runner, name, name)
+    worker.interp_bench_timers = (spent, patched)
+
+
+def _fetch_worker_timers(worker) -> dict:
+    """(Runs in each worker.) The times ``_install_worker_timers`` gathered, its wrappers removed."""
+    spent, patched = worker.interp_bench_timers
+    del worker.interp_bench_timers
+    for owner, name, original in reversed(patched):
+        if original is None:
+            delattr(owner, name)
+        else:
             setattr(owner, name, original)
-    out = {"wall_s": time.perf_counter() - t0, "graph_modes": dict(modes)}
-    for key, values in spent.items():
-        out[key] = {"steps": len(values), "mean_us": 1e6 * statistics.fmean(values),
-                    "median_us": 1e6 * statistics.median(values), "max_us": 1e6 * max(values),
-                    "total_ms": 1e3 * sum(values)}
-    return out
+    return dict(spent)
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -314,31 +343,34 @@ def worker(args) -> dict:
     outputs, checks = {}, {}
 
     def timed_run(name):
-        dt, cpu, tokens, collected = generate(llm, conditions[name], engine)
-        if any(len(t) != args.max_tokens for t in tokens):
+        run = generate(llm, conditions[name], engine)
+        if any(len(t) != args.max_tokens for t in run.tokens):
             raise RuntimeError(f"{name}: not every request decoded {args.max_tokens} tokens")
         if interp:
-            check = check_captures(conditions[name], collected, facts.hidden_size)
+            check = check_captures(conditions[name], run.collected, facts.hidden_size)
             if not check["ok"]:
                 raise RuntimeError(f"{name}: captures are not what the requests asked for: {check}")
             checks.setdefault(name, []).append(check["rows"])
             checks[f"{name}:last"] = check
-        return dt, cpu, tokens
+        return run
 
     for name in conditions:
         for _ in range(args.warmup):
-            _, _, outputs[name] = timed_run(name)
+            outputs[name] = timed_run(name).tokens
     times = {name: [] for name in conditions}
     cpu_times = {name: [] for name in conditions}
+    collect_times = {name: [] for name in conditions}
     names = list(conditions)
     for r in range(args.repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            dt, cpu, tokens = timed_run(name)
-            outputs[name] = tokens
-            times[name].append(dt)
-            cpu_times[name].append(cpu)
+            run = timed_run(name)
+            outputs[name] = run.tokens
+            times[name].append(run.wall_s)
+            cpu_times[name].append(run.cpu_s)
+            collect_times[name].append(run.collect_s)
     info["times_s"] = times
     info["cpu_times_s"] = cpu_times
+    info["collect_times_s"] = collect_times  # the part of times_s spent collecting results after generation
     info["median_s"] = {name: statistics.median(t) for name, t in times.items()}
     info["paired_vs_idle"] = paired_changes(times)
     if "idle" in times:
@@ -366,6 +398,30 @@ def worker(args) -> dict:
                 info["warning"] = "steering changed no request's tokens"
         info["planner"] = {name: planner_profile(llm, plan, engine) for name, plan in conditions.items()}
     return info
+
+
+def breakdown(results: list[dict]) -> str:
+    """Per interp engine and condition: the median collection time of the timed runs, and the profiled run's
+    milliseconds per call kind, summed over steps, on the result rank (rank 0) and the slowest other rank."""
+    keys = ("planner", "after_forward", "execute_model", "sample_tokens", "collect", "send_results")
+    lines = ["where the time goes (ms; profiled run, rank 0 / slowest other rank):",
+             f"{'model':<20}{'condition':<10}{'collect':>9}  " + "  ".join(f"{k:>19}" for k in keys)]
+    for result in results:
+        for w in result["workers"]:
+            if w.get("kind") != "interp" or "planner" not in w:
+                continue
+            label = result["model"] + (f" tp{result['tp']}" if result.get("tp", 1) > 1 else "")
+            for cond, prof in w["planner"].items():
+                ranks = prof.get("ranks") or [{}]
+                cells = []
+                for k in keys:
+                    own = ranks[0].get(k, {}).get("total_ms")
+                    other = max((r.get(k, {}).get("total_ms", 0.0) for r in ranks[1:]), default=None)
+                    cell = "-" if own is None else f"{own:.1f}"
+                    cells.append(cell + ("" if other is None else f" / {other:.1f}"))
+                collect = statistics.median(w.get("collect_times_s", {}).get(cond) or [float("nan")]) * 1e3
+                lines.append(f"{label:<20}{cond:<10}{collect:>9.1f}  " + "  ".join(f"{c:>19}" for c in cells))
+    return "\n".join(lines)
 
 
 def parse_conditions(text: str) -> list[str]:
@@ -444,6 +500,7 @@ def main(argv=None) -> int:
     if args.report is not None:
         results = [json.loads(Path(p).read_text()) for p in args.report if Path(p).exists()]
         print(table(results))
+        print(breakdown(results))
         return 0
     parse_conditions(args.conditions)
     if args.worker:
@@ -470,6 +527,7 @@ def main(argv=None) -> int:
         if args.json:  # after every engine, so a cut-off run keeps what it measured
             Path(args.json).write_text(json.dumps(result, indent=1))
     print(table([result]))
+    print(breakdown([result]))
     failed = [w for w in result["workers"] if "error" in w]
     return 1 if failed else 0
 

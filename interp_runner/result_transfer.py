@@ -1,12 +1,14 @@
 """How the result rank's per-request results reach a host in another process (tensor parallelism, a served engine).
 
 The host makes an empty block for the call (``result_block``: a file under /dev/shm) and names it in its
-``interp_collect`` call; the result rank writes every array of the results into it and answers with a
-``Collected`` record (MessagePack bytes): per request, each array's dtype, shape and offset in the block. So the
-message that vLLM serializes and queues is small, and the arrays are copied once into the block and once out of it
-(``received``). A worker that cannot open the block (on another node) carries the block's bytes in the record
-instead. The host removes the block when the call ends, whatever happens; a host killed before that leaves it to
-the multiprocessing resource tracker, which removes it once the host is gone.
+``interp_collect`` call. The result rank reserves room in the block and copies its captured rows from the device
+straight in (``OutBlock.reserve``), writes every other array after them, and answers with a ``Collected`` record
+(MessagePack bytes): per request, each array's dtype, shape and offset in the block. The host maps the block and
+reads the arrays where they lie (``received``). So the message that vLLM serializes and queues is small, and a
+captured row is copied once on its way. A worker that cannot open the block (on another node) carries the block's
+bytes in the record instead. The host removes the block's file when the call ends, whatever happens (its arrays
+keep the mapping, and so the memory, until they are gone); a host killed before that leaves the file to the
+multiprocessing resource tracker, which removes it once the host is gone.
 
 Pure data: numpy and msgspec, nothing of torch or vLLM (the plugin imports it on every worker).
 """
@@ -14,6 +16,8 @@ Pure data: numpy and msgspec, nothing of torch or vLLM (the plugin imports it on
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 import os
 import secrets
 from collections.abc import Iterator
@@ -25,7 +29,7 @@ import numpy as np
 
 SHM = Path("/dev/shm")
 BLOCK_PREFIX = "interp-results-"
-ALIGN = 64  # every array starts at a multiple of this many bytes
+ALIGN = 64  # every array written after the reserved rooms starts at a multiple of this many bytes
 NUMERIC_KINDS = "biuf"
 
 
@@ -72,18 +76,92 @@ SCORE_KEYS = set(ScoreRefs.__struct_fields__)
 # -- the worker's side ------------------------------------------------------------------------------------
 
 
-def send_results(results: dict, block: str) -> bytes:
-    """The ``Collected`` record of ``results`` (request -> ``captures``, ``score``, ``void``, ``nonfinite``), its
-    arrays written into the host's ``block`` where this process can open it, else carried in the record."""
+class OutBlock:
+    """The worker's side of the host's block for one collect call. ``reserve`` allocates room in it and maps that
+    room, so that arrays can be written in place (a device's rows copied straight in, with no copy in between);
+    ``send_results`` then refers to them where they lie and writes the other arrays after them. Without a block it
+    can open (none, another node's, not the host's), it reserves nothing and ``send_results`` sends the bytes."""
+
+    def __init__(self, block: str):
+        self.fd: int | None = None
+        self.used = 0  # bytes of the block reserved so far
+        self._maps: list[tuple[int, int, int]] = []  # per mapped room: (address, offset in the block, bytes)
+        self._placed: list[tuple[int, np.ndarray]] = []  # arrays referred to where they lie: (offset, array)
+        path = Path(block) if block else None
+        if path is None or path.parent != SHM or not path.name.startswith(BLOCK_PREFIX):
+            return
+        with contextlib.suppress(OSError):
+            self.fd = os.open(path, os.O_RDWR)  # the host's file, never one made here
+
+    def reserve(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of the block, allocated now and mapped (writable bytes), or None where there is no block or
+        no room. Allocated first, so a full /dev/shm fails here rather than in a store to the mapping."""
+        if self.fd is None or nbytes <= 0:
+            return None
+        offset = -(-self.used // mmap.PAGESIZE) * mmap.PAGESIZE
+        try:
+            os.posix_fallocate(self.fd, offset, nbytes)
+            room = mmap.mmap(self.fd, nbytes, offset=offset)  # shared, read and write
+        except OSError:
+            return None
+        region = np.frombuffer(room, dtype=np.uint8)  # the mapping lives as long as views of it
+        self._maps.append((region.ctypes.data, offset, nbytes))
+        self.used = offset + nbytes
+        return region
+
+    def offset_of(self, array: np.ndarray) -> int | None:
+        """Where in the block ``array`` lies, if it is a contiguous part of a reserved room."""
+        if not self._maps or not array.nbytes or not array.flags.c_contiguous:
+            return None
+        address = array.ctypes.data
+        for start, offset, nbytes in self._maps:
+            if start <= address and address + array.nbytes <= start + nbytes:
+                self._placed.append((offset + address - start, array))
+                return offset + address - start
+        return None
+
+    def close(self) -> None:
+        """Close the file; the rooms stay mapped until the arrays in them are gone."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@contextlib.contextmanager
+def out_block(block: str) -> Iterator[OutBlock]:
+    out = OutBlock(block)
+    try:
+        yield out
+    finally:
+        out.close()
+
+
+def send_results(results: dict, block: str | OutBlock) -> bytes:
+    """The ``Collected`` record of ``results`` (request -> ``captures``, ``score``, ``void``, ``nonfinite``): arrays
+    already in the block's reserved rooms are referred to where they lie, the others written into the host's
+    ``block`` after them where this process can open it; else every array is carried in the record."""
+    if not isinstance(block, OutBlock):
+        with out_block(block) as out:
+            return send_results(results, out)
+    out = block
     arrays: list[tuple[int, np.ndarray]] = []
-    size = 0
+    size = out.used
+    seen: dict[int, tuple] = {}  # an array given for several sites (a request's positions) is sent once
 
     def ref(array: np.ndarray) -> ArrayRef:
+        known = seen.get(id(array))
+        if known is None:
+            known = seen[id(array)] = (array, new_ref(array))  # the array kept: its id stays its own
+        return known[1]
+
+    def new_ref(array: np.ndarray) -> ArrayRef:
         nonlocal size
-        array = np.ascontiguousarray(array)
-        offset = -(-size // ALIGN) * ALIGN
-        arrays.append((offset, array))
-        size = offset + array.nbytes
+        offset = out.offset_of(array)
+        if offset is None:
+            array = np.ascontiguousarray(array)
+            offset = -(-size // ALIGN) * ALIGN
+            arrays.append((offset, array))
+            size = offset + array.nbytes
         return ArrayRef(array.dtype.str, tuple(array.shape), offset)
 
     refs = {}
@@ -99,9 +177,11 @@ def send_results(results: dict, block: str) -> bytes:
             nonfinite=bool(result.get("nonfinite", False)),
         )
     data = None
-    if not _write_block(block, arrays, size):
+    if not _write_block(out, arrays, size):
         data = bytearray(size)
-        _fill(np.frombuffer(data, dtype=np.uint8), arrays)
+        _fill(np.frombuffer(data, dtype=np.uint8), [*out._placed, *arrays])
+        if out.fd is not None:  # emptied again, but for the reserved rooms: their mappings must stay valid
+            os.ftruncate(out.fd, out.used)
     return _encode(Collected(size, data, refs))
 
 
@@ -110,27 +190,20 @@ def _fill(buffer: np.ndarray, arrays: list[tuple[int, np.ndarray]]) -> None:
         buffer[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
 
 
-def _write_block(block: str, arrays: list[tuple[int, np.ndarray]], size: int) -> bool:
-    """Write the arrays into the host's block; False where there is none, this process cannot open it, or it has
-    no room (a full /dev/shm: the block is emptied again)."""
-    path = Path(block) if block else None
-    if path is None or path.parent != SHM or not path.name.startswith(BLOCK_PREFIX):
+def _write_block(out: OutBlock, arrays: list[tuple[int, np.ndarray]], size: int) -> bool:
+    """Write the arrays into the host's block after its reserved rooms; False where there is none, or it has no
+    room (a full /dev/shm)."""
+    if out.fd is None:
         return False
     try:
-        fd = os.open(path, os.O_WRONLY)  # the host's file, never one made here
-    except OSError:
-        return False
-    try:
-        os.ftruncate(fd, size)  # the gaps between arrays read as zeros
+        if size > out.used:
+            os.ftruncate(out.fd, size)  # the gaps between arrays read as zeros
         for offset, array in arrays:  # written, not mapped: a full /dev/shm fails a write instead of a store
             data = memoryview(array.reshape(-1)).cast("B")
             while len(data):
-                data = data[os.pwrite(fd, data, offset + array.nbytes - len(data)):]
+                data = data[os.pwrite(out.fd, data, offset + array.nbytes - len(data)):]
     except OSError:
-        os.ftruncate(fd, 0)
         return False
-    finally:
-        os.close(fd)
     return True
 
 
@@ -168,14 +241,22 @@ def received(message: bytes, block: str) -> dict:
     else:
         buffer = _read_block(block, collected.size)
 
+    seen: dict[ArrayRef, np.ndarray] = {}  # one read-only array per reference (a request's positions)
+
     def array(ref: ArrayRef) -> np.ndarray:
+        known = seen.get(ref)
+        if known is not None:
+            return known
         dtype = np.dtype(ref.dtype)
         if dtype.kind not in NUMERIC_KINDS:
             raise ValueError(f"results hold an array of dtype {ref.dtype}")
-        count = int(np.prod(ref.shape, dtype=np.int64))
-        if ref.offset < 0 or ref.offset + count * dtype.itemsize > len(buffer):
+        if any(n < 0 for n in ref.shape):
+            raise ValueError(f"results hold an array of shape {ref.shape}")
+        nbytes = math.prod(ref.shape) * dtype.itemsize
+        if ref.offset < 0 or ref.offset + nbytes > len(buffer):
             raise ValueError(f"an array of results lies outside their {len(buffer)} bytes")
-        return buffer[ref.offset : ref.offset + count * dtype.itemsize].view(dtype).reshape(ref.shape)
+        known = seen[ref] = buffer[ref.offset : ref.offset + nbytes].view(dtype).reshape(ref.shape)
+        return known
 
     out = {}
     for rid, result in collected.results.items():
@@ -191,16 +272,14 @@ def received(message: bytes, block: str) -> dict:
 
 
 def _read_block(block: str, size: int) -> np.ndarray:
+    """The block's bytes, mapped (read-only), not copied: the mapping outlives the file's removal and lasts as long
+    as arrays read from it."""
     if not block:
         raise ValueError("results were written to a block, but this call made none")
-    buffer = np.empty(size, dtype=np.uint8)
-    view = memoryview(buffer)
-    done = 0
     with open(block, "rb", buffering=0) as f:
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                raise ValueError(f"the results block {block} holds {done} bytes, not {size}")
-            done += n
-    buffer.flags.writeable = False
-    return buffer
+        held = os.fstat(f.fileno()).st_size
+        if held < size:
+            raise ValueError(f"the results block {block} holds {held} bytes, not {size}")
+        if not size:
+            return np.zeros(0, dtype=np.uint8)
+        return np.frombuffer(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ), dtype=np.uint8)

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from interp_runner import result_transfer
-from interp_runner.result_transfer import BLOCK_PREFIX, SHM, Collected, received, result_block, send_results
+from interp_runner.result_transfer import (BLOCK_PREFIX, SHM, Collected, out_block, received, result_block,
+                                          send_results)
 
 pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm")
 
@@ -85,6 +86,72 @@ def test_block_round_trip_is_exact_and_the_block_is_removed():
     assert not our_blocks()
     assert_same(got, want)
     assert not got["a"]["captures"][4][1].flags.writeable  # read-only, like arrays from bytes
+
+
+def rows_in_place(out, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Rows written into a room reserved in the block, as the result rank copies a device's rows there."""
+    room = out.reserve(4 * rows * cols)
+    assert room is not None
+    values = room.view(np.float32).reshape(rows, cols)
+    values[:] = odd_floats(rows, cols, seed)
+    return values
+
+
+def test_rows_written_in_place_travel_where_they_lie_and_outlive_the_block():
+    """Rows in a reserved room are referred to, not copied again; one positions array given for several sites is
+    sent once and comes back as one read-only array; the host's arrays stay readable after the block's file is
+    gone (they map it)."""
+    with result_block() as block:
+        with out_block(block) as out:
+            values = rows_in_place(out, 6, 64, 0)
+            positions = np.array([2, 5, 8], np.int32)
+            want = {"a": {"captures": {0: (positions, values[:3]), 1: (positions, values[3:])}, "score": None,
+                          "void": None, "nonfinite": False}}
+            message = send_results(want, out)
+        decoded = msgspec.msgpack.decode(message, type=Collected)
+        refs = decoded.results["a"].captures
+        assert decoded.data is None
+        assert [refs[s][1].offset for s in (0, 1)] == [0, 3 * 64 * 4]  # where the rows were written
+        assert refs[0][0] == refs[1][0]  # the positions, once
+        assert decoded.size == out.used + positions.nbytes  # the room, then the positions after it
+        got = received(message, block)
+        want["a"]["captures"] = {site: (p.copy(), v.copy()) for site, (p, v) in want["a"]["captures"].items()}
+    assert not our_blocks()
+    assert_same(got, want)  # read after the file was removed
+    assert got["a"]["captures"][0][0] is got["a"]["captures"][1][0]
+    assert not got["a"]["captures"][0][1].flags.writeable
+
+
+def test_no_room_to_reserve_falls_back_to_copies(monkeypatch):
+    """A /dev/shm too full to allocate a room: nothing is reserved, and the rows travel as before."""
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(result_transfer.os, "posix_fallocate", full)
+    with result_block() as block:
+        with out_block(block) as out:
+            assert out.reserve(4096) is None and out.used == 0
+        assert_same(received(send_results(worker_results(), block), block), worker_results())
+    assert not our_blocks()
+
+
+def test_full_shm_after_a_room_carries_everything_in_the_message(monkeypatch):
+    """The room was allocated, then writing the other arrays fails: every array, those in the room too, travels in
+    the message, and the room's rows stay readable on the worker (its mapping is kept valid)."""
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(result_transfer.os, "pwrite", full)
+    with result_block() as block:
+        with out_block(block) as out:
+            values = rows_in_place(out, 4, 32, 1)
+            want = {"a": {"captures": {3: (np.arange(4, dtype=np.int32), values)}, "score": None, "void": None,
+                          "nonfinite": False}}
+            message = send_results(want, out)
+        assert msgspec.msgpack.decode(message, type=Collected).data is not None
+        assert values.tobytes() == odd_floats(4, 32, 1).tobytes()  # no fault reading the room afterwards
+        assert_same(received(message, block), want)
+    assert not our_blocks()
 
 
 @pytest.mark.parametrize("where", ["none", "elsewhere", "not_ours"])

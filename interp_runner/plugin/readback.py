@@ -124,8 +124,14 @@ class Readback:
         if self._held_bytes > PENDING_BYTES:
             self.read_back()
 
-    def read_back(self) -> None:
+    def read_back(self, reserve=None) -> None:
+        """Bring the held results to the host. ``reserve(nbytes)``, where given, returns room (bytes) for the
+        captured rows in float32, or None: the device's rows are then copied straight into it."""
         held, self._held, self._held_bytes = self._held, [], 0
+        room, at = None, 0
+        if reserve is not None:
+            wanted = sum(4 * item.values.numel() for item in held if type(item) is HeldCaptures)
+            room = reserve(wanted) if wanted else None
         for item in held:
             if type(item) is HeldScores:
                 chosen, top_lp, top_id, finite = (t.cpu().numpy() for t in item[:4])
@@ -139,28 +145,38 @@ class Readback:
                         ids = as_int32[id(tokens)] = tokens.astype(np.int32)
                     self.scores[rid] = {"token_ids": ids, "logprobs": chosen[j, : len(ids)], "top_id": top,
                                         "top_logprob": lp, "nonfinite": not ok}
+                continue
+            if room is not None:  # the device's rows straight into the host's block
+                values = room[at : at + 4 * item.values.numel()].view(np.float32).reshape(item.values.shape)
+                torch.from_numpy(values).copy_(item.values.float())
+                at += values.nbytes
             else:
                 values = item.values.float().cpu().numpy()
-                widths = self.widths
-                for site, rid, chosen, offset in zip(*item.meta):
-                    rows = values[offset : offset + len(chosen)]
-                    if site in widths:
-                        rows = rows[:, : widths[site]]
-                    self.results[rid][site].append((chosen, rows))
+            widths = self.widths
+            for site, rid, chosen, offset in zip(*item.meta):
+                rows = values[offset : offset + len(chosen)]
+                if site in widths:
+                    rows = rows[:, : widths[site]]
+                self.results[rid][site].append((chosen, rows))
 
     # -- per request --------------------------------------------------------------------------------
-    def collect(self, rids: list[str]) -> dict[str, dict]:
+    def collect(self, rids: list[str], reserve=None) -> dict[str, dict]:
         """Per finished request: ``captures`` (site -> (positions, values); later rows win), ``score`` and
-        ``void`` (why its patches could not be applied)."""
-        self.read_back()
+        ``void`` (why its patches could not be applied). ``reserve``: see ``read_back``."""
+        self.read_back(reserve)
         out = {}
+        as_int32: dict[int, tuple] = {}  # the sites of a capture share their positions: (positions, as int32)
         for rid in rids:
             per_site = self.results.pop(rid, {})
             merged = {}
             for site, chunks in per_site.items():
                 if len(chunks) == 1:  # the usual case: one step's rows, unique positions
                     positions, values = chunks[0]
-                    merged[site] = (positions.astype(np.int32), values)
+                    shared = as_int32.get(id(positions))
+                    if shared is None:
+                        shared = as_int32[id(positions)] = (positions, positions.astype(np.int32))
+                        shared[1].flags.writeable = False  # one array for several sites: read-only
+                    merged[site] = (shared[1], values)
                     continue
                 positions = np.concatenate([p for p, _ in chunks])
                 values = np.concatenate([v for _, v in chunks])

@@ -367,11 +367,12 @@ class InterpState:
     def checksum(self) -> dict:
         return self.rank_checksum.as_dict()
 
-    def collect(self, rids: list[str]) -> dict[str, dict]:
+    def collect(self, rids: list[str], reserve=None) -> dict[str, dict]:
         """Per finished request: ``captures`` (site -> (positions, values); later rows win), ``score``, ``void``
         (why its patches could not be applied) and ``nonfinite`` (computed through a non-finite value: its final
-        norm's input, or a row of logits it was scored from)."""
-        out = self.readback.collect(rids)
+        norm's input, or a row of logits it was scored from). ``reserve``: room for the captured rows, which the
+        device's rows are copied straight into (``Readback.read_back``)."""
+        out = self.readback.collect(rids, reserve)
         flagged = self.result_flags.collect(rids)
         for rid, result in out.items():
             score = result["score"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from interp_runner.plugin.runner_patches import plans_steps, state_of, view_of
 from interp_runner.plugin.runners.base import room_name
-from interp_runner.result_transfer import send_results
+from interp_runner.result_transfer import out_block, send_results
 
 
 class InterpWorkerExtension:
@@ -65,5 +65,7 @@ class InterpWorkerExtension:
         state.finished([*rids, *carriers])
         if not state.is_result_rank:
             return None
-        results = state.collect(rids)
-        return send_results(results, block) if packed else results
+        if not packed:
+            return state.collect(rids)
+        with out_block(block) as out:  # the captured rows go from the device straight into the host's block
+            return send_results(state.collect(rids, out.reserve), out)
