@@ -86,7 +86,6 @@ class OutBlock:
         self.fd: int | None = None
         self.used = 0  # bytes of the block reserved so far
         self._maps: list[tuple[int, int, int]] = []  # per mapped room: (address, offset in the block, bytes)
-        self._placed: list[tuple[int, np.ndarray]] = []  # arrays referred to where they lie: (offset, array)
         path = Path(block) if block else None
         if path is None or path.parent != SHM or not path.name.startswith(BLOCK_PREFIX):
             return
@@ -116,7 +115,6 @@ class OutBlock:
         address = array.ctypes.data
         for start, offset, nbytes in self._maps:
             if start <= address and address + array.nbytes <= start + nbytes:
-                self._placed.append((offset + address - start, array))
                 return offset + address - start
         return None
 
@@ -144,7 +142,8 @@ def send_results(results: dict, block: str | OutBlock) -> bytes:
         with out_block(block) as out:
             return send_results(results, out)
     out = block
-    arrays: list[tuple[int, np.ndarray]] = []
+    arrays: list[tuple[int, np.ndarray]] = []  # (offset, array) to write after the rooms
+    placed: list[tuple[int, np.ndarray]] = []  # (offset, array) already in a room
     size = out.used
     seen: dict[int, tuple] = {}  # an array given for several sites (a request's positions) is sent once
 
@@ -157,7 +156,9 @@ def send_results(results: dict, block: str | OutBlock) -> bytes:
     def new_ref(array: np.ndarray) -> ArrayRef:
         nonlocal size
         offset = out.offset_of(array)
-        if offset is None:
+        if offset is not None:
+            placed.append((offset, array))
+        else:
             array = np.ascontiguousarray(array)
             offset = -(-size // ALIGN) * ALIGN
             arrays.append((offset, array))
@@ -179,7 +180,7 @@ def send_results(results: dict, block: str | OutBlock) -> bytes:
     data = None
     if not _write_block(out, arrays, size):
         data = bytearray(size)
-        _fill(np.frombuffer(data, dtype=np.uint8), [*out._placed, *arrays])
+        _fill(np.frombuffer(data, dtype=np.uint8), [*placed, *arrays])
         if out.fd is not None:  # emptied again, but for the reserved rooms: their mappings must stay valid
             os.ftruncate(out.fd, out.used)
     return _encode(Collected(size, data, refs))
