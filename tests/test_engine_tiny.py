@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -221,6 +224,7 @@ def test_teacher_forcing_generates_the_given_tokens_with_the_model_log_probabili
     from interp_runner.config.schema import EngineConfig
     from interp_runner.engine.adapter import VllmEngine
     from interp_runner.pipeline import execute, prepare
+    from interp_runner.plugin import ops
 
     prompts = PROMPTS[:2]
     forced = [[100, 2000, 300, 4000], [7, 8, 9, 10]]
@@ -250,8 +254,12 @@ def test_teacher_forcing_generates_the_given_tokens_with_the_model_log_probabili
     try:
         assert engine.model_runner == model_runner
         results = execute(engine, plan, log=lambda _: None, use_tqdm=False)
+        state = weakref.ref(ops.active_state())  # the engine's plugin state, active since its last step
     finally:
         engine.close()
+    gc.collect()
+    # on a GPU, a state that outlived its engine would be freed during the next engine's memory profiling
+    assert state() is None, "the closed engine's plugin state is still held"
     for request, tokens in zip(plan.requests, forced):
         result, prompt = results[request.rid], list(request.prompt.token_ids)
         assert result.token_ids == tokens

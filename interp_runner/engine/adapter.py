@@ -6,6 +6,7 @@ live beside it; here: the engine's life, its two request paths, patch sources, a
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import weakref
 from collections.abc import Sequence
@@ -31,8 +32,6 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 def _parallel_groups_kept():
     """vLLM's in-process engine core shutdown without its last step, ``cleanup_dist_env_and_memory`` (which destroys
     the process's parallel groups): only its memory release runs."""
-    import gc
-
     import vllm.v1.engine.core as core_module
 
     original = core_module.cleanup_dist_env_and_memory
@@ -58,6 +57,17 @@ def _child_pids() -> set[int]:
     return pids
 
 
+def _release_cached_gpu_memory() -> None:
+    """Hand this process's freed GPU memory back to the driver before an engine starts. vLLM takes the free memory
+    when its worker starts and refuses to start if more is free after its profiling run, which empties torch's
+    cache: blocks freed earlier in the process (a closed engine's, an HF model's) would be counted as released."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def one_token_no_text(request: EngineRequest) -> bool:
     """A request that takes the bulk path: one generated token, no top-k log-probabilities."""
     return request.sampling.get("max_tokens") == 1 and not request.sampling.get("logprobs")
@@ -78,6 +88,7 @@ class VllmEngine:
         self.step_tokens: int | None = None
         self.serial = 0
         self.checksums: list[dict] = []
+        _release_cached_gpu_memory()
         before = _child_pids()
         self.llm = LLM(**kwargs)
         # the engine core and tensor-parallel workers this engine started: ``close`` waits for them to end
@@ -203,10 +214,10 @@ class VllmEngine:
         """Shut the engine down and wait until the processes it started have ended, so that their GPU memory is free
         for whatever starts next (vLLM checks the free memory when an engine starts). vLLM's own shutdown kills a
         slow engine core after a few seconds and returns while its workers are still tearing down."""
-        import gc
-
         import psutil
 
+        if not self.processes:  # the workers run here: the plugin lets go of their state, which ends with them
+            self.llm.collective_rpc("interp_release")
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             # an engine core in this process ends by tearing down vLLM's process-wide parallel groups: kept while

@@ -28,6 +28,13 @@ def activate(state) -> None:
     _active = state
 
 
+def deactivate(state) -> None:
+    """Forget ``state`` if it is the active one (its engine is closing: its buffers must not outlive it)."""
+    global _active
+    if _active is state:
+        _active = None
+
+
 def active_state():
     if _active is None:
         raise RuntimeError("interp op called outside an instrumented engine")

@@ -24,6 +24,7 @@ extension in ``worker`` (re-exported here: vLLM loads it by this module's path).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,7 +56,7 @@ __all__ = ["InterpState", "InterpWorkerExtension", "active_state", "state_for_cu
 
 class _Building(NamedTuple):
     config_id: int  # id of the vLLM config whose model is being built
-    state: InterpState
+    state: weakref.ref  # its InterpState, held by the layers built so far (not here: it ends with its engine)
 
 
 _building: _Building | None = None
@@ -67,10 +68,12 @@ def state_for_current_engine(spec: PluginSpec) -> InterpState:
     from vllm.config import get_current_vllm_config
 
     config = get_current_vllm_config()
-    if _building is None or _building.config_id != id(config):
-        _building = _Building(id(config), InterpState(config, spec))
-    activate(_building.state)
-    return _building.state
+    state = _building.state() if _building is not None and _building.config_id == id(config) else None
+    if state is None:
+        state = InterpState(config, spec)
+        _building = _Building(id(config), weakref.ref(state))
+    activate(state)
+    return state
 
 
 def _capture_width(vllm_config, site: int) -> int:

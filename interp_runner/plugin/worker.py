@@ -5,6 +5,7 @@ vLLM loads it by ``interp_runner.engine.settings.WORKER_EXTENSION``.
 
 from __future__ import annotations
 
+from interp_runner.plugin.ops import deactivate
 from interp_runner.plugin.runner_patches import plans_steps, state_of, view_of
 from interp_runner.plugin.runners.base import room_name
 from interp_runner.result_transfer import out_block, send_results
@@ -38,6 +39,13 @@ class InterpWorkerExtension:
             "reused_kv_rows": state.packing.reused_rows,
             "result_rank": state.is_result_rank,
         }
+
+    def interp_release(self) -> None:
+        """The engine is closing: its state stops being the process's active one, so that it ends with the engine
+        (its buffers freed now, not in the middle of the next engine's start)."""
+        state = state_of(self.model_runner)
+        if state is not None:
+            deactivate(state)
 
     def interp_register_vectors(self, vectors: dict[str, bytes]) -> int:
         return self._interp().register_vectors(vectors)
