@@ -23,10 +23,12 @@
 # bench/store_bandwidth.py options), TEST_FILES.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
 #
-# runners: every one-GPU test file under V1 and under V2 (VLLM_USE_V2_MODEL_RUNNER=0 / 1), the eight (runner, file
-# group) jobs spread over the visible GPUs side by side (4 GPUs: two jobs each, ~10 minutes), logs pytest_v1_*.log and
-# pytest_v2_*.log. RUNNER_ONLY="gpu trace" keeps those groups (gpu, trace, families, serve) under both runners, and
-# "v1:gpu v2:serve" a group under one runner: on one GPU, a few a call. Jobs, in the groups' order, go to the GPUs in turn.
+# runners: every one-GPU test file under V1 and under V2 (VLLM_USE_V2_MODEL_RUNNER=0 / 1), the twelve (runner, file
+# group) jobs spread over the visible GPUs side by side, logs pytest_v1_*.log and pytest_v2_*.log. RUNNER_ONLY="gpu
+# trace" keeps those groups (gpu, trace, verify, families, moe, serve) under both runners, and "v1:gpu v2:serve" a group
+# under one runner. Jobs, in the groups' order, go to the GPUs in turn. A group takes 2-8 minutes alone on an H100
+# (gpu 130 s, families and moe ~200 s each, verify ~150 s) and up to 3x that with four lanes side by side: on four
+# GPUs, plan about four jobs a call.
 #
 # Two GPUs (nvidia-h100-x2):  bash bench/gpu_check.sh setup tp bench-tp sweep tp-cpu-tests
 # tp (tests/test_gpu_tensor_parallel.py: TP = 2 against TP = 1, compiled, float32 and teacher-forced bfloat16),
@@ -173,8 +175,10 @@ stage_tests() {
 # every one-GPU test file under both model runners, the (runner, files) jobs spread over the visible GPUs: each GPU runs
 # its jobs in turn, the GPUs side by side; each job's log is pytest_<runner>_<group>.log
 RUNNER_GROUPS=("gpu:tests/test_gpu.py tests/test_kernels.py"
-               "trace:tests/test_gpu_trace.py tests/test_gpu_nonfinite.py tests/test_verify_derived.py tests/test_run_log.py"
-               "families:tests/test_gpu_phi_gemma.py tests/test_gpu_gpt_moe.py"
+               "trace:tests/test_gpu_trace.py tests/test_gpu_nonfinite.py"
+               "verify:tests/test_verify_derived.py tests/test_run_log.py"
+               "families:tests/test_gpu_phi_gemma.py"
+               "moe:tests/test_gpu_gpt_moe.py"
                "serve:tests/test_gpu_serve.py")
 stage_runners() {
   local budget=$1 gpus=() jobs=() i=0 rc=0 pids=() t_lanes=$SECONDS
@@ -192,6 +196,8 @@ stage_runners() {
       local j code=0
       for (( j = g; j < ${#jobs[@]}; j += ${#gpus[@]} )); do
         IFS=: read -r runner name files <<< "${jobs[$j]}"
+        # -vv: a lane cut by the budget still names every test that passed
+        PYTEST_ADDOPTS="-vv -rfE ${PYTEST_ADDOPTS:-}" \
         CUDA_VISIBLE_DEVICES=${gpus[$g]} VLLM_USE_V2_MODEL_RUNNER=$runner TEST_FILES="$files" \
           TEST_LOG="pytest_v$(( runner + 1 ))_$name" TEST_REPORT="gpu_test_report_v$(( runner + 1 ))_$name.txt" \
           stage_tests $(( budget - (SECONDS - t_lanes) )) > /dev/null 2>&1 || code=1
