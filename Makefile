@@ -12,12 +12,12 @@ setup:            ## venv + locked packages + built-in models
 run:              ## causal tracing on the embedded SmolLM2
 	.venv/bin/interp-run +experiment=causal_trace
 
-# pytest-xdist processes for `test-fast` (no engines); `test` runs in one process: two workers, each holding its
-# engines, outgrow a 24 GB machine
+# pytest-xdist processes. `test` gives each worker whole files (files sharing a process of their own go together:
+# tests/support/xdist_lanes.py) and one OpenMP thread (tests/conftest.py); TEST_WORKERS=0 runs it in one process
 TEST_WORKERS ?= 2
 
 test:             ## the whole CPU test suite
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test-fast:        ## unit tests only (no engine, no process of its own, nothing slow)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not engine and not cli and not slow"

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # workers share the cores: one OpenMP thread each (and in the processes they start), so that no thread spins on
+    # a core the other worker is using; set before torch is imported
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -23,7 +27,19 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from support.xdist_lanes import SharedFileScheduling
+
+    return SharedFileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("dist") == "loadfile":
+        from support.xdist_lanes import order_by_cost
+
+        order_by_cost(items)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
