@@ -146,6 +146,30 @@ def direction(seed: int, norm: float = 4.0) -> list[float]:
 def test_steered_capture_and_score_match_hf(client, tiny_path):
     """Steering at post_block of layer 1 (prompt and generated tokens), the captured last-prompt stream at layers 2
     and 3 and the answer's exact log-probability, against HF forward hooks on the same weights."""
+    steered_capture_and_score_match_hf(client, tiny_path)
+
+
+def test_v2_runner_server_matches_hf(server, tiny_path, tmp_path):
+    """``engine.model_runner=v2`` serves on vLLM's V2 model runner (the module's server, ``auto``, on V1 on a CPU,
+    as vLLM picks), with the same values against HF hooks; the start-up line names the runner."""
+    import openai
+
+    server["log"].seek(0)
+    assert "interp ops active on every worker, vLLM's V1 model runner" in server["log"].read()
+    port = free_port()
+    with open(tmp_path / "server.log", "w+") as log:
+        proc = start_server(["model=tiny_random", "engine.dtype=float32", "engine.model_runner=v2",
+                             "--", "--port", str(port)], port, log)
+        try:
+            log.seek(0)
+            assert "interp ops active on every worker, vLLM's V2 model runner" in log.read()
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            steered_capture_and_score_match_hf(client, tiny_path)
+        finally:
+            stop_server(proc)
+
+
+def steered_capture_and_score_match_hf(client, tiny_path) -> None:
     from transformers import AutoTokenizer
 
     vec = np.asarray(direction(7), np.float32)

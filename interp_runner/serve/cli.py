@@ -110,7 +110,7 @@ def prepare(config: dict, extra_args: list[str]) -> Prepared:
     args = ["--model", str(folder), *engine_flags(cfg, facts, gpu), "--worker-extension-cls", WORKER_EXTENSION,
             "--additional-config", json.dumps(spec.as_additional_config()), *settings.args, *extra_args]
     return Prepared(args, settings, served, folder, named, global_steer, global_vectors, _ignored(cfg), tokenizer,
-                    spec.as_additional_config()["interp"]["plugin"])
+                    spec.as_additional_config()["interp"]["plugin"], cfg.engine.model_runner)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     try:
         prepared = prepare(compose(overrides), extra)
-        vllm_args = parse_vllm_args(prepared.vllm_args, [*prepared.settings.args, *extra])
+        vllm_args = parse_vllm_args(prepared.vllm_args, [*prepared.settings.args, *extra], prepared.model_runner)
     except COMMAND_LINE_ERRORS as err:
         report(explain(err, overrides, CONF_DIR, CONFIG_NAME))
         sys.exit(EXIT_CODE)
@@ -133,10 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     run(vllm_args, prepared)
 
 
-def parse_vllm_args(args: list[str], given: list[str]):
-    """vLLM's own parser over the server flags (a flag it refuses is a ``serve.args`` error)."""
+def parse_vllm_args(args: list[str], given: list[str], model_runner: str = "auto"):
+    """vLLM's own parser over the server flags (a flag it refuses is a ``serve.args`` error). ``model_runner``:
+    ``engine.model_runner``, set for the engine's processes as ``interp-run`` sets it."""
+    from interp_runner.engine.settings import select_model_runner
+
     os.environ["INTERP_RUNNER_PLUGIN"] = "1"  # read by the plugin in every vLLM process
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the planner drives GPUModelRunner
+    select_model_runner(model_runner)
     from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

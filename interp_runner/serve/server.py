@@ -19,10 +19,12 @@ class PluginNotActive(RuntimeError):
     pass
 
 
-async def check_plugin(engine, num_layers: int, expected: str) -> None:
+async def check_plugin(engine, num_layers: int, expected: str) -> str:
     """vLLM swallows plugin load errors: every worker must run our ops, of the plugin code the server was
-    configured with (``expected``: its fingerprint), before the server takes a request."""
-    for rank, status in enumerate(await engine.collective_rpc(STATUS)):
+    configured with (``expected``: its fingerprint), before the server takes a request. Returns the model runner
+    the workers run ("v1" | "v2")."""
+    statuses = await engine.collective_rpc(STATUS)
+    for rank, status in enumerate(statuses):
         if not status.get("loaded"):
             raise PluginNotActive(f"interp plugin is not active on worker {rank}: {status}")
         if not status["runner_planned"]:
@@ -32,6 +34,7 @@ async def check_plugin(engine, num_layers: int, expected: str) -> None:
         if len(status["instrumented_layers"]) != num_layers:
             raise PluginNotActive(f"worker {rank} instrumented {len(status['instrumented_layers'])} of "
                                   f"{num_layers} layers")
+    return statuses[0]["model_runner"]
 
 
 async def serve(args, prepared: Prepared) -> None:
@@ -50,7 +53,8 @@ async def serve(args, prepared: Prepared) -> None:
     listen_address, sock = setup_server(args, reuse_port=False)
     settings = prepared.settings
     async with build_async_engine_client(args) as engine_client:
-        await check_plugin(engine_client, prepared.served.facts.num_layers, prepared.plugin)
+        runner = await check_plugin(engine_client, prepared.served.facts.num_layers, prepared.plugin)
+        print(f"interp-serve: interp ops active on every worker, vLLM's {runner.upper()} model runner", flush=True)
         hook = InterpEngine(engine_client)
         named = NamedVectors(settings.max_vectors)
         for name, vec in prepared.named.items():

@@ -92,3 +92,4 @@ class Prepared:
     ignored: list[str]
     tokenizer: object = None  # ``tokens.TextTokenizer`` (answers' ids)
     plugin: str = ""  # the fingerprint of the plugin code the engine is started with
+    model_runner: str = "auto"  # engine.model_runner: vLLM's model runner, as interp-run picks it
