@@ -148,7 +148,7 @@ def parse_vllm_args(args: list[str], given: list[str], model_runner: str = "auto
     try:
         parsed = parser.parse_args(args)
         validate_parsed_serve_args(parsed)
-    except SystemExit as err:
+    except SystemExit:
         raise ConfigError.at("serve.args", f"vLLM refuses the server flags {' '.join(given)!r} given in serve.args "
                                            "or after --") from None
     except Exception as err:  # argparse's and vLLM's own checks
