@@ -36,7 +36,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("dist") == "loadfile":
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # (a worker is not told the --dist mode; the order suits them all)
         from support.xdist_lanes import order_by_cost
 
         order_by_cost(items)

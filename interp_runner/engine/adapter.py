@@ -216,15 +216,18 @@ class VllmEngine:
         slow engine core after a few seconds and returns while its workers are still tearing down."""
         import psutil
 
-        if not self.processes:  # the workers run here: the plugin lets go of their state, which ends with them
-            self.llm.collective_rpc("interp_release")
-        core = getattr(self.llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            # an engine core in this process ends by tearing down vLLM's process-wide parallel groups: kept while
-            # other engines alive here still use them (the rest of the shutdown, which frees its memory, runs)
-            shared = not self.processes and not set(_in_process_engines) <= {self}
-            with _parallel_groups_kept() if shared else contextlib.nullcontext():
-                core.shutdown()
+        try:
+            if not self.processes:  # the workers run here: the plugin lets go of their state, which ends with them
+                self.llm.collective_rpc("interp_release")
+        finally:
+            core = getattr(self.llm.llm_engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                # an engine core in this process ends by tearing down vLLM's process-wide parallel groups: kept
+                # while other engines alive here still use them (the rest of the shutdown, which frees its memory,
+                # runs)
+                shared = not self.processes and not set(_in_process_engines) <= {self}
+                with _parallel_groups_kept() if shared else contextlib.nullcontext():
+                    core.shutdown()
         _in_process_engines.discard(self)
         del self.llm
         gc.collect()
