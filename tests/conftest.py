@@ -119,6 +119,7 @@ def base_config(model: str = "tiny_random", **overrides) -> dict:
 
 
 BANK_ROWS = 8192
+TEST_KV_CACHE_BYTES = 256 << 20  # a CPU test engine's KV cache (the product's CPU default is 1 GiB)
 KV_ROWS, KV_RUNS = 4096, 64  # prompt positions whose KV an engine keeps, in that many prompts (corrupted runs)
 ALL_HOOKS = ["pre_attn", "attn_out", "post_attn", "mlp_out", "post_block"]
 
@@ -136,6 +137,8 @@ def build_engine(path: Path, steer_sites, capture_sites, patch_sites=(), bank_ro
     from interp_runner.payload import EngineSpec
 
     settings = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 16, **engine}
+    if not has_cuda():  # a CPU engine's KV cache is resident (vLLM zeroes it): the tests' short prompts need little
+        settings.setdefault("kv_cache_memory_bytes", TEST_KV_CACHE_BYTES)
     spec = EngineSpec(tuple(steer_sites), tuple(capture_sites), tuple(patch_sites), bank_rows, kv_rows, kv_runs)
     return VllmEngine(str(path), EngineConfig(**settings), spec)
 
