@@ -209,7 +209,7 @@ MODEL_RUNNERS = ("v1", "v2")  # engine.model_runner: the CPU engine tests that m
 @pytest.fixture(scope="session")
 def tiny_engine_v2(tiny_path):
     """``tiny_engine`` on vLLM's V2 model runner (a smaller KV cache: both engines live for the session)."""
-    yield from engine_at_every_site(tiny_path, 4, model_runner="v2", kv_cache_memory_bytes=256 << 20)
+    yield from engine_at_every_site(tiny_path, 4, model_runner="v2")
 
 
 @pytest.fixture(params=MODEL_RUNNERS)

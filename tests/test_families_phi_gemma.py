@@ -143,7 +143,7 @@ def test_v2_runner_captures_and_steers_as_hf_hooks_do(name):
     steered prompt match plain HF hooks."""
     path = model_path(name)
     sites = every_site(LAYERS)
-    engine = build_engine(path, sites, sites, (), model_runner="v2", kv_cache_memory_bytes=256 << 20)
+    engine = build_engine(path, sites, sites, (), model_runner="v2")
     try:
         assert engine.model_runner == "v2"
         hidden = oracle.load(str(path)).config.hidden_size

@@ -61,7 +61,7 @@ def test_compiled_router_logits_and_routing_match_hf(model_runner):
     """Qwen3-MoE's ``router_logits`` site under torch.compile, on each model runner (``check_router_logits``);
     a step whose captured rows overflow the capture buffer copies the same rows and values out directly."""
     engine = build_engine(model_path("tiny_qwen3_moe"), (), router_sites(), enforce_eager=False,
-                          model_runner=model_runner, kv_cache_memory_bytes=256 << 20)
+                          model_runner=model_runner)
     try:
         assert engine.model_runner == model_runner
         check_router_logits(engine)
