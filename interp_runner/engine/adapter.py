@@ -57,17 +57,6 @@ def _child_pids() -> set[int]:
     return pids
 
 
-def _release_cached_gpu_memory() -> None:
-    """Hand this process's freed GPU memory back to the driver before an engine starts. vLLM takes the free memory
-    when its worker starts and refuses to start if more is free after its profiling run, which empties torch's
-    cache: blocks freed earlier in the process (a closed engine's, an HF model's) would be counted as released."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
 def one_token_no_text(request: EngineRequest) -> bool:
     """A request that takes the bulk path: one generated token, no top-k log-probabilities."""
     return request.sampling.get("max_tokens") == 1 and not request.sampling.get("logprobs")
@@ -88,7 +77,6 @@ class VllmEngine:
         self.step_tokens: int | None = None
         self.serial = 0
         self.checksums: list[dict] = []
-        _release_cached_gpu_memory()
         before = _child_pids()
         self.llm = LLM(**kwargs)
         # the engine core and tensor-parallel workers this engine started: ``close`` waits for them to end
