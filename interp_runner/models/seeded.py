@@ -25,7 +25,8 @@ import numpy as np
 LOAD_FORMAT = "interp_seeded"
 SCHEME = "interp-seeded-v1"  # changes whenever the values a (seed, name) gives change
 INIT_STD = 0.02
-CHUNK = 1 << 24  # elements drawn at a time (int64 temporaries of 128 MiB)
+CHUNK = 1 << 24  # elements drawn at a time on a GPU (int64 temporaries of 128 MiB: few kernel launches)
+CPU_CHUNK = 1 << 16  # on a CPU: temporaries of 512 KiB stay in cache (~10x faster than 128 MiB ones)
 _M32, _M16 = 0xFFFFFFFF, 0xFFFF
 
 # Llama-3-70B's config.json (meta-llama/Meta-Llama-3-70B), tokenizer ids aside
@@ -68,8 +69,9 @@ def uniform_values(seed: int, name: str, start: int, count: int, device="cpu"):
     k0, k1 = tensor_key(seed, name)
     half_width = INIT_STD * math.sqrt(3.0)
     out = torch.empty(count, dtype=torch.float32, device=device)
-    for lo in range(0, count, CHUNK):
-        n = min(CHUNK, count - lo)
+    chunk = CHUNK if out.device.type != "cpu" else min(CHUNK, CPU_CHUNK)
+    for lo in range(0, count, chunk):
+        n = min(chunk, count - lo)
         i = torch.arange(start + lo, start + lo + n, dtype=torch.int64, device=device)
         h = _fmix32((i & _M32) ^ k0)
         h = _fmix32(h ^ (((i >> 32) + k1) & _M32))

@@ -7,6 +7,8 @@ are left untouched. Even then, only engines whose ``additional_config`` carries 
 Imports models/ (block layouts) and the shared records (contracts, payload, sites) only: never the host's packages.
 """
 
+import atexit
+import gc
 import os
 
 ENABLE_ENV = "INTERP_RUNNER_PLUGIN"
@@ -20,6 +22,10 @@ def register() -> None:
     from interp_runner.plugin import kv_groups, layers, ops, parent_watch, prefix_cache, runners, seeded_loader
 
     parent_watch.start()
+    # vLLM unfreezes the heap when it shuts an engine down, and at exit the interpreter's last collections walk all
+    # of it (~2 s a process, past the 5 s vLLM gives an engine core before killing it): frozen, it ends with the
+    # process (whatever holds a file or a store closes it before, not at those collections)
+    atexit.register(gc.freeze)
     ops.register_ops()
     seeded_loader.register()
     layers.instrument_decoder_layers()
