@@ -69,7 +69,7 @@ def uniform_values(seed: int, name: str, start: int, count: int, device="cpu"):
     k0, k1 = tensor_key(seed, name)
     half_width = INIT_STD * math.sqrt(3.0)
     out = torch.empty(count, dtype=torch.float32, device=device)
-    chunk = CHUNK if out.device.type != "cpu" else min(CHUNK, CPU_CHUNK)
+    chunk = CHUNK if out.device.type != "cpu" else min(CHUNK, CPU_CHUNK)  # CHUNK bounds both (tests lower it)
     for lo in range(0, count, chunk):
         n = min(chunk, count - lo)
         i = torch.arange(start + lo, start + lo + n, dtype=torch.int64, device=device)
