@@ -14,6 +14,8 @@
 # startup (bench/run_wall.py: whole `interp-run` processes of WALL_CONFIG, default +experiment=causal_trace_full,
 # with WALL_ARGS such as `--variant eager:engine.enforce_eager=true --repeats 2`; result $OUT/$WALL_JSON.json),
 # overlap (bench/start_overlap.py: the plan compiled before the engine starts or while it does, same config).
+# serve-bench (bench/serve_bench.py: interp-serve against stock `vllm serve` of SmolLM2 on one GPU, paired intervals,
+# its rounds fitted into the stage's budget; SERVE_ARGS such as `--conditions plain,steer100`).
 # GPU_CHECK_BUDGET_S (default 540) bounds the whole run: each stage gets what is left, and a stage is skipped
 # when under 30 s are left. Under a 10-minute limit per command, split the stages over calls, e.g.
 # `setup tests kernels bench-trace`, then `setup bench-small bench-store bench-8b`. Environment knobs:
@@ -98,6 +100,8 @@ main() {
         --json "$OUT/${WALL_JSON:-run_wall}.json" -- ${WALL_CONFIG:-+experiment=causal_trace_full} || rc=$? ;;
       overlap) timeout -k 10 $(( budget - 5 )) $PY bench/start_overlap.py --repeats "${OVERLAP_REPEATS:-2}" \
         --json "$OUT/start_overlap.json" -- ${WALL_CONFIG:-+experiment=causal_trace_full} || rc=$? ;;
+      serve-bench) timeout -k 10 $(( budget - 5 )) $PY bench/serve_bench.py --budget-s $(( budget - 40 )) \
+        ${SERVE_ARGS:-} --json "$OUT/serve_bench.json" || rc=$? ;;
       bench-store) timeout -k 10 $(( budget - 5 )) $PY bench/store_bandwidth.py --dir "${STORE_DIR:-/tmp/interp-store-bench}" \
         ${STORE_ARGS:-} --json "$OUT/store_bandwidth.json" || rc=$? ;;
       *) echo "unknown stage $stage"; rc=2 ;;
@@ -120,6 +124,7 @@ main() {
     [ -f "$OUT/gpu_test_report.txt" ] && cat "$OUT/gpu_test_report.txt"
     ls "$OUT"/bench_*.json >/dev/null 2>&1 && $PY bench/steer_overhead.py --report "$OUT"/bench_*.json
     [ -f "$OUT/sweep_wall.json" ] && cat "$OUT/sweep_wall.json"
+    [ -f "$OUT/serve_bench.json" ] && $PY bench/serve_bench.py --report "$OUT/serve_bench.json"
   } | tee "$OUT/summary.txt"
   return "$failed"
 }

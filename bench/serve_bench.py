@@ -200,9 +200,14 @@ def main() -> None:
     ap.add_argument("--ttft-repeats", type=int, default=20)
     ap.add_argument("--conditions", type=lambda v: v.split(","), default=list(CONDITIONS))
     ap.add_argument("--budget-s", type=float, default=float("inf"),
-                    help="start no round that would end the rounds past this many seconds")
+                    help="start no round that would end past this many seconds after the script started")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--report", type=Path, default=None, help="print the table of an earlier run's --json, and stop")
     args = ap.parse_args()
+    if args.report:
+        print_table(json.loads(args.report.read_text()))
+        return
+    t_start = time.monotonic()
 
     from interp_runner.models.facts import ModelFacts
     from interp_runner.models.materialize import model_path
@@ -232,7 +237,8 @@ def main() -> None:
         report["response_bytes"] = response_bytes(8102, facts.num_layers)
         report["fresh_vector_ttft"] = fresh_vector_ttft(8102, "served", facts.hidden_size, args.ttft_repeats)
         for r in range(args.rounds):  # rounds outermost: a cut run still holds every condition
-            if r and time.monotonic() - t0 > args.budget_s * r / (r + 1):
+            now = time.monotonic()
+            if r and now - t_start + (now - t0) / r > args.budget_s:  # the next round would end past the budget
                 print(f"budget: stopped after {r} rounds")
                 break
             for condition in args.conditions:
@@ -256,14 +262,19 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=120)
     shutil.rmtree(work, ignore_errors=True)  # kept, with the servers' logs, when a round failed
+    print_table(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def print_table(report: dict) -> None:
     print(f"{'condition':<10} " + " ".join(f"{m:>22}" for m in METRICS))
     for condition, row in report["conditions"].items():
         print(f"{condition:<10} " + " ".join(f"{row[m]['median']:>10.3f} {str(_fmt(row[m]['interval_95'])):>11}"
-                                             for m in METRICS))
+                                             for m in METRICS) + f"  ({row[METRICS[0]]['pairs']} pairs)")
     print("interp / stock, median of paired ratios and its 95% interval; TTFT of a fresh vector (ms):",
-          json.dumps(report["fresh_vector_ttft"]), "| response bytes:", json.dumps(report["response_bytes"]))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+          json.dumps(report.get("fresh_vector_ttft")), "| response bytes:", json.dumps(report.get("response_bytes")),
+          f"| {report.get('elapsed_s', 0):.0f} s measuring")
 
 
 def _fmt(interval_95) -> str:

@@ -8,7 +8,7 @@ from single-token words; its subject is tokens 1..3 (Gaussian noise on their emb
 answer one token. A grid is every (layer, token) cell of the residual stream: 28 x 40 = 1,120 and
 28 x 204 = 5,712 cells.
 
-- ``interp-runner``: ``prepare`` a ``causal_trace`` config (kinds [resid], layers all, 1 noise sample, no
+- ``interp-runner``: ``prepare`` a ``causal_trace`` config (components [resid], layers all, 1 noise sample, no
   filter, no plots), then ``execute(engine, plan)``: stage 0 = clean run with captures + corrupted run, stage 1 =
   every cell + the in-batch corrupted baseline. One VllmEngine serves every prompt length; it is warmed up with an
   untimed execute per length, and its prefix cache is reset before every run (each run starts cold, as a real
@@ -136,7 +136,7 @@ def trace_config(args, folder: Path, facts_file: Path, on_gpu: bool, num_layers:
         "engine": engine,
         "prompts": {"items": []},
         "sampling": {"max_tokens": 1},
-        "causal_trace": {"facts": str(facts_file), "num_facts": 1, "kinds": ["resid"], "noise": {"samples": 1},
+        "causal_trace": {"facts": str(facts_file), "num_facts": 1, "components": ["resid"], "noise": {"samples": 1},
                          "layers": "all", "filter": False, "plots": False,
                          # unused by resid, but checked against the model's depth
                          "window": min(10, num_layers)},

@@ -53,3 +53,21 @@ def test_the_teardown_is_restored_after_a_kept_shutdown():
     first, _second = in_process_engine(shutdowns), in_process_engine(shutdowns)
     first.close()
     assert core_module.cleanup_dist_env_and_memory is real
+
+
+def test_model_inspection_runs_in_this_process_on_a_cpu_and_is_restored():
+    """vLLM's model-class inspection, which it runs in a fresh Python process, runs in this one around an engine's
+    start on a CPU (no CUDA to keep uninitialized; a GPU keeps vLLM's way), and vLLM's own way is back afterwards."""
+    import os
+
+    from vllm.model_executor.models import registry
+
+    from interp_runner.engine.settings import on_gpu
+
+    original = registry._run_in_subprocess
+    with adapter.model_inspection_in_process():
+        if on_gpu():
+            assert registry._run_in_subprocess is original
+        else:
+            assert registry._run_in_subprocess(os.getpid) == os.getpid()
+    assert registry._run_in_subprocess is original

@@ -113,3 +113,20 @@ def test_tp2_bf16_teacher_forced_matches_tp1_within_bf16(stores):
     report(f"TP=2 vs TP=1 bfloat16, teacher-forced: {len(lines)} arrays within 4x bf16's cost ({', '.join(lines)}); "
            f"free-running TP=2 forks from TP=1 at (request, step) {forks or 'nowhere'}")
     assert free["status"] == "complete"
+
+
+def test_compiled_engines_one_after_another_in_one_process(tmp_path):
+    """One GPU is enough: a process that closes a compiled engine and starts another with other settings (the TP = 1
+    process above does, bfloat16 then float32) captures the second engine's CUDA graphs into vLLM's shared graph
+    pool, and both runs write complete stores with the same tokens."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    bf16, fp32 = tmp_path / "bf16.zarr", tmp_path / "fp32.zarr"
+    run_jobs(tmp_path, 1, [(smoke(1, "bfloat16", bf16), tmp_path / "r1"), (smoke(1, "float32", fp32), tmp_path / "r2")])
+    one, two = (xr.open_zarr(path, consolidated=False) for path in (bf16, fp32))
+    assert compiled(one) and compiled(two)
+    assert one.attrs["status"] == two.attrs["status"] == "complete"
+    ranks_agree(one, 1)
+    ranks_agree(two, 1)

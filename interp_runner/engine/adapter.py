@@ -55,6 +55,42 @@ def _collections_deferred():
         gc.collect = collect
 
 
+@contextlib.contextmanager
+def model_inspection_in_process():
+    """vLLM inspects a model class (multimodal, pooling, ...) in a fresh Python process, so as not to initialize CUDA
+    in its own, once per model file and vLLM version (the answer is cached under VLLM_CACHE_ROOT): ~7 s a model
+    family on a 2-core CPU, mostly the new process's imports. Without a GPU there is no CUDA to keep uninitialized,
+    so the inspection runs in this process (same answer, cached the same way)."""
+    if on_gpu():
+        yield
+        return
+    from vllm.model_executor.models import registry
+    from vllm.plugins import load_general_plugins
+
+    original = registry._run_in_subprocess
+
+    def in_process(inspect):
+        load_general_plugins()  # as the inspecting process does first (once per process)
+        return inspect()
+
+    registry._run_in_subprocess = in_process
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = original
+
+
+def _release_cached_gpu_memory() -> None:
+    """Before an engine starts in a process that had one: a closed engine's CUDA graphs destroyed and their memory
+    pool released. Destroyed later, during the new engine's start, they leave the shared graph pool with no user
+    but not released, and the new engine's first graph capture into it fails inside torch's allocator."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def _child_pids() -> set[int]:
     """This process's vLLM processes (engine cores, workers: vLLM names them ``VLLM::...``); not, say, the
     multiprocessing resource tracker, which lives as long as this process."""
@@ -90,8 +126,10 @@ class VllmEngine:
         self.step_tokens: int | None = None
         self.serial = 0
         self.checksums: list[dict] = []
+        _release_cached_gpu_memory()
         before = _child_pids()
-        self.llm = LLM(**kwargs)
+        with model_inspection_in_process():
+            self.llm = LLM(**kwargs)
         # the engine core and tensor-parallel workers this engine started: ``close`` waits for them to end
         self.processes = _child_pids() - before
         if not self.processes:
@@ -226,7 +264,9 @@ class VllmEngine:
                 # an engine core in this process ends by tearing down vLLM's process-wide parallel groups: kept
                 # while other engines alive here still use them (the rest of the shutdown runs)
                 shared = not self.processes and not set(_in_process_engines) <= {self}
-                with _parallel_groups_kept() if shared else contextlib.nullcontext(), _collections_deferred():
+                # on a CPU without vLLM's collections (``close`` makes one); a GPU keeps them, with the memory release
+                deferred = _collections_deferred() if not on_gpu() else contextlib.nullcontext()
+                with _parallel_groups_kept() if shared else contextlib.nullcontext(), deferred:
                     core.shutdown()
         _in_process_engines.discard(self)
         del self.llm

@@ -94,7 +94,7 @@ def svg(heatmap: Heatmap) -> Markup:
              f'viewBox="0 0 {width} {height}" role="img" aria-label="{_attr(heatmap.title)}"'
              + "".join(f' data-{key}="{_attr(value)}"' for key, value in data.items()) + ">"]
     # row labels, right-aligned against the grid
-    parts.append(f'<g class="hm-labels" text-anchor="end">')
+    parts.append('<g class="hm-labels" text-anchor="end">')
     parts += [f'<text x="{left - 5}" y="{top + (r + 0.5) * CELL_HEIGHT:g}">{escape(_short(label))}</text>'
               for r, label in enumerate(heatmap.rows)]
     parts.append("</g>")
@@ -105,7 +105,7 @@ def svg(heatmap: Heatmap) -> Markup:
     parts.append("</g>")
     # column ticks, at most one per TICK_GAP px, and the column axis' name
     step = next((s for s in TICK_STEPS if s * cell_w >= TICK_GAP), TICK_STEPS[-1])
-    parts.append(f'<g class="hm-ticks" text-anchor="middle">')
+    parts.append('<g class="hm-ticks" text-anchor="middle">')
     parts += [f'<text x="{left + (c + 0.5) * cell_w:g}" y="{top + grid_h + 14}">{escape(heatmap.columns[c])}</text>'
               for c in range(0, n_cols, step)]
     parts.append(f'<text class="hm-axis" x="{left + grid_w / 2:g}" y="{top + grid_h + 32}">'

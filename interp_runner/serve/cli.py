@@ -128,9 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     if prepared.ignored:
         print(f"interp-serve uses {', '.join(USED_KEYS)} of the config; left out: {', '.join(prepared.ignored)} "
               "(requests carry their own in their interp object)", file=sys.stderr)
+    from interp_runner.engine.adapter import model_inspection_in_process
     from interp_runner.serve.server import run
 
-    run(vllm_args, prepared)
+    with model_inspection_in_process():  # the server's process inspects the model: here, on a CPU
+        run(vllm_args, prepared)
 
 
 def parse_vllm_args(args: list[str], given: list[str], model_runner: str = "auto"):
