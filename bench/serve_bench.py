@@ -5,7 +5,8 @@ interp interval is judged against the stock interval next to it; the table gives
 and its distribution-free 95% interval.
 
 Every interval runs ``LANES`` ``vllm bench serve`` clients side by side against one server, each with a quarter of
-the prompts and of ``--max-concurrency`` (64 in all); their per-request records are pooled, so TTFT, TPOT and ITL
+the prompts and of ``--max-concurrency`` (64 in all), each lane a process kept for the whole run that runs vLLM's
+load generator once per interval; their per-request records are pooled, so TTFT, TPOT and ITL
 are means and percentiles over every request of the interval. Conditions on the interp server: ``plain`` (no
 request steered), ``steer50`` (two lanes steered, each with its own vector, two plain), ``steer100`` (every lane
 steered, four vectors), all at post_block of every layer; ``capture4`` (every request captures its last prompt
@@ -52,6 +53,27 @@ from vllm.entrypoints.cli.main import main
 main()
 """
 VLLM = [sys.executable, "-c", VLLM_MAIN]
+# a client lane: one process that imports vLLM's load generator once and runs it once per line of arguments on stdin
+# (`vllm bench serve`'s own code and flags), answering "lane: ok" or "lane: error ..." on its stdout; everything it
+# prints goes to stderr
+LANE_MAIN = "import sys\nanswer, sys.stdout = sys.stdout, sys.stderr\n" + VLLM_MAIN.replace("""sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+main()
+""", """import json
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser(prog="vllm bench serve")
+add_cli_args(parser)
+answer.write("lane: ok\\n")  # ready
+answer.flush()
+for line in sys.stdin:
+    try:
+        main(parser.parse_args(json.loads(line)))
+        answer.write("lane: ok\\n")
+    except BaseException as err:
+        answer.write("lane: error " + repr(err).replace("\\n", " ") + "\\n")
+    answer.flush()
+""")
 
 
 def start(cmd: list[str], port: int, log: Path, env: dict) -> subprocess.Popen:
@@ -80,8 +102,37 @@ def capture_body(layers: int) -> dict:
     return {"interp": {"capture": {"layers": chosen, "positions": "last_prompt"}}}
 
 
-def bench(args, port: int, out: Path, num_prompts: int, concurrency: int, extra: dict | None) -> subprocess.Popen:
-    cmd = [*VLLM, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+class Lane:
+    """A client process kept for the whole run (``LANE_MAIN``): an interval costs its requests, not a Python start
+    and vLLM's imports (seconds a lane)."""
+
+    def __init__(self, log: Path):
+        self.proc = subprocess.Popen([sys.executable, "-c", LANE_MAIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(log, "w"), text=True, cwd=str(log.parent))
+        self.log = log
+
+    def start(self, argv: list[str]) -> None:
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+
+    def wait(self) -> None:
+        answer = self.proc.stdout.readline().strip()
+        while answer and not answer.startswith("lane: "):  # anything else printed to the real stdout
+            answer = self.proc.stdout.readline().strip()
+        if answer != "lane: ok":
+            tail = self.log.read_text()[-3000:]
+            raise SystemExit(f"vllm bench serve failed: {answer or 'the lane ended'}\n{tail}")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def bench_args(args, port: int, out: Path, num_prompts: int, concurrency: int, extra: dict | None) -> list[str]:
+    cmd = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "/v1/completions", "--model", args.served_name, "--tokenizer", args.model_dir,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
@@ -90,7 +141,7 @@ def bench(args, port: int, out: Path, num_prompts: int, concurrency: int, extra:
            "--result-dir", str(out.parent), "--result-filename", out.name]
     if extra:
         cmd += ["--extra-body", json.dumps(extra)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return cmd
 
 
 def lane_bodies(condition: str, layers: int) -> list[dict | None]:
@@ -117,16 +168,14 @@ def pooled(results: list[dict]) -> dict:
             "output_throughput": sum(r["output_throughput"] for r in results)}
 
 
-def interval(args, port: int, condition: str, work: Path, tag: str, layers: int) -> dict:
+def interval(args, lanes: list[Lane], port: int, condition: str, work: Path, tag: str, layers: int) -> dict:
     """One measured interval: the condition's client lanes against the server on ``port``; pooled metrics."""
     bodies = lane_bodies(condition, layers)
     outs = [work / f"{tag}-{i}.json" for i in range(len(bodies))]
-    procs = [bench(args, port, out, args.num_prompts // LANES, args.max_concurrency // LANES, body)
-             for out, body in zip(outs, bodies)]
-    for proc in procs:
-        _, err = proc.communicate()
-        if proc.returncode != 0:
-            raise SystemExit(f"vllm bench serve failed:\n{err[-3000:]}")
+    for lane, out, body in zip(lanes, outs, bodies):
+        lane.start(bench_args(args, port, out, args.num_prompts // LANES, args.max_concurrency // LANES, body))
+    for lane in lanes:
+        lane.wait()
     results = [json.loads(out.read_text()) for out in outs]
     failed = sum(r["failed"] for r in results)
     if failed:
@@ -232,10 +281,15 @@ def main() -> None:
                    8102, work / "interp.log", env)
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
     ratios = {c: {m: [] for m in METRICS} for c in args.conditions}
+    lanes: list[Lane] = []
     t0 = time.monotonic()
     try:
         report["response_bytes"] = response_bytes(8102, facts.num_layers)
         report["fresh_vector_ttft"] = fresh_vector_ttft(8102, "served", facts.hidden_size, args.ttft_repeats)
+        lanes += [Lane(work / f"lane{i}.log") for i in range(LANES)]
+        for lane in lanes:
+            lane.wait()  # ready: its imports made before anything is measured beside them
+        t0 = time.monotonic()
         for r in range(args.rounds):  # rounds outermost: a cut run still holds every condition
             now = time.monotonic()
             if r and now - t_start + (now - t0) / r > args.budget_s:  # the next round would end past the budget
@@ -245,8 +299,8 @@ def main() -> None:
                 got = {"stock": [], "interp": []}
                 for i, which in enumerate(("stock", "interp", "interp", "stock")):
                     port = 8101 if which == "stock" else 8102
-                    got[which].append(interval(args, port, "stock" if which == "stock" else condition, work,
-                                               f"{condition}-{r}-{i}-{which}", facts.num_layers))
+                    got[which].append(interval(args, lanes, port, "stock" if which == "stock" else condition,
+                                               work, f"{condition}-{r}-{i}-{which}", facts.num_layers))
                 # pairs: each interp interval with the stock interval next to it (1 with 0, 2 with 3)
                 for s, x in ((got["stock"][0], got["interp"][0]), (got["stock"][1], got["interp"][1])):
                     for m in METRICS:
@@ -258,6 +312,8 @@ def main() -> None:
                 if args.json:  # after every condition: a run cut short keeps what it measured
                     args.json.write_text(json.dumps(report, indent=1))
     finally:
+        for lane in lanes:
+            lane.close()
         for proc in (stock, interp):
             proc.terminate()
             proc.wait(timeout=120)

@@ -1,7 +1,7 @@
 """The engine client's ``generate`` with interp payloads: a request's compiled interventions (handed over by the
 HTTP middleware through ``CURRENT``) become its ``SamplingParams.extra_args`` payload once vLLM has rendered its
-prompt; the workers' results are read back when it finishes (``Collector``: one ``collective_rpc`` for all requests
-that finished meanwhile) and what an aborted request held is freed."""
+prompt; the workers' results are read back once its last output has been handed on (``Collector``: one
+``collective_rpc`` for all requests that finished meanwhile), and what an aborted request held is freed."""
 
 from __future__ import annotations
 
@@ -126,11 +126,13 @@ class InterpEngine:
         outputs = self._generate(prompt, sampling_params, request_id, *args, **kwargs)
         try:
             async for out in outputs:
-                if out.finished:
+                yield out
+                if out.finished:  # its last tokens are on their way: its results are read back after them, before
+                    # the response ends (vLLM's serving code reads this generator to its end before a stream's
+                    # [DONE] or a whole response)
                     call.result = await self.collector.collect(rid)
                     collected = True
                     call.done.set()
-                yield out
         finally:
             await outputs.aclose()  # a client gone: vLLM aborts the request now, not when this is collected
             if not collected:
