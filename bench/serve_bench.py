@@ -6,14 +6,15 @@ and its distribution-free 95% interval.
 
 Every interval runs ``LANES`` ``vllm bench serve`` clients side by side against one server, each with a quarter of
 the prompts and of ``--max-concurrency`` (64 in all), each lane a process kept for the whole run that runs vLLM's
-load generator once per interval; their per-request records are pooled, so TTFT, TPOT and ITL
-are means and percentiles over every request of the interval. Conditions on the interp server: ``plain`` (no
-request steered), ``steer50`` (two lanes steered, each with its own vector, two plain), ``steer100`` (every lane
-steered, four vectors), all at post_block of every layer; ``capture4`` (every request captures its last prompt
-position at 4 layers; the added response bytes are measured on one request). The stock server always gets four
-plain lanes. Separately, ``fresh-vector TTFT``: a vector registered (POST /v1/interp/vectors) right before a
-streamed request that steers with it, against requests steered with a vector registered long before and unsteered
-ones, interleaved.
+load generator once per interval; their per-request records are pooled, so TTFT, TPOT and ITL are means and
+percentiles over every request of the interval. Conditions on the interp server: ``plain`` (no request steered),
+``steer50`` (two lanes steered, each with its own vector, two plain), ``steer100`` (every lane steered, four
+vectors), all at post_block of every layer; ``capture4`` (every request captures its last prompt position at 4
+layers; the added response bytes are measured on one request). The stock server always gets four plain lanes.
+During every interp interval the server's read-backs of results (``interp_collect_seconds`` on its /metrics page:
+calls, requests, seconds) are summed per condition. Separately, ``fresh-vector TTFT``: a vector registered (POST
+/v1/interp/vectors) right before a streamed request that steers with it, against requests steered with a vector
+registered long before and unsteered ones, interleaved.
 
     python bench/serve_bench.py --model smollm2_135m                       # H100: about 10 minutes
     python bench/serve_bench.py --model /models/llama-8b --input-len 1024 --output-len 256 --num-prompts 400
@@ -183,6 +184,20 @@ def interval(args, lanes: list[Lane], port: int, condition: str, work: Path, tag
     return pooled(results)
 
 
+COLLECT_METRICS = ("interp_collect_seconds_count", "interp_collect_seconds_sum", "interp_collected_requests_total")
+
+
+def collect_metrics(port: int) -> dict[str, float]:
+    """interp-serve's read-back counters from its /metrics page (calls, seconds, requests)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    values = dict.fromkeys(COLLECT_METRICS, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in values:
+            values[name] += float(value)
+    return values
+
+
 def response_bytes(port: int, layers: int) -> dict:
     """Bytes of one completion's response body, plain and with ``capture4``'s capture."""
     sizes = {}
@@ -281,6 +296,7 @@ def main() -> None:
                    8102, work / "interp.log", env)
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
     ratios = {c: {m: [] for m in METRICS} for c in args.conditions}
+    collects = {c: dict.fromkeys(COLLECT_METRICS, 0.0) for c in args.conditions}
     lanes: list[Lane] = []
     t0 = time.monotonic()
     try:
@@ -299,8 +315,13 @@ def main() -> None:
                 got = {"stock": [], "interp": []}
                 for i, which in enumerate(("stock", "interp", "interp", "stock")):
                     port = 8101 if which == "stock" else 8102
+                    before = collect_metrics(8102) if which == "interp" else None
                     got[which].append(interval(args, lanes, port, "stock" if which == "stock" else condition,
                                                work, f"{condition}-{r}-{i}-{which}", facts.num_layers))
+                    if before is not None:  # the interp server's read-backs during the interval
+                        after = collect_metrics(8102)
+                        for name in COLLECT_METRICS:
+                            collects[condition][name] += after[name] - before[name]
                 # pairs: each interp interval with the stock interval next to it (1 with 0, 2 with 3)
                 for s, x in ((got["stock"][0], got["interp"][0]), (got["stock"][1], got["interp"][1])):
                     for m in METRICS:
@@ -308,6 +329,10 @@ def main() -> None:
                 report["conditions"][condition] = {
                     m: {"median": statistics.median(v), "interval_95": median_interval(v), "pairs": len(v)}
                     for m, v in ratios[condition].items()}
+                calls, seconds, requests = (collects[condition][name] for name in COLLECT_METRICS)
+                report["collect"] = {**report.get("collect", {}), condition: {
+                    "calls": calls, "requests": requests, "seconds": seconds,
+                    "mean_ms": 1e3 * seconds / calls if calls else None}}
                 report["elapsed_s"] = time.monotonic() - t0
                 if args.json:  # after every condition: a run cut short keeps what it measured
                     args.json.write_text(json.dumps(report, indent=1))
@@ -328,6 +353,9 @@ def print_table(report: dict) -> None:
     for condition, row in report["conditions"].items():
         print(f"{condition:<10} " + " ".join(f"{row[m]['median']:>10.3f} {str(_fmt(row[m]['interval_95'])):>11}"
                                              for m in METRICS) + f"  ({row[METRICS[0]]['pairs']} pairs)")
+    for condition, c in report.get("collect", {}).items():
+        print(f"{condition:<10} read-backs: {c['calls']:.0f} calls for {c['requests']:.0f} requests, "
+              f"{c['seconds']:.3f} s in all" + (f", {c['mean_ms']:.2f} ms a call" if c["mean_ms"] else ""))
     print("interp / stock, median of paired ratios and its 95% interval; TTFT of a fresh vector (ms):",
           json.dumps(report.get("fresh_vector_ttft")), "| response bytes:", json.dumps(report.get("response_bytes")),
           f"| {report.get('elapsed_s', 0):.0f} s measuring")

@@ -350,6 +350,25 @@ def running(server) -> float:
                if line.startswith("vllm:num_requests_running"))
 
 
+def metric(server, name: str) -> float:
+    text = urllib.request.urlopen(server["base"] + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_read_backs_are_counted_on_vllms_metrics_page(server, client):
+    """Each read-back of finished requests' results is one observation of ``interp_collect_seconds`` on vLLM's own
+    /metrics page, and its requests are counted; a request without an interp object reads nothing back."""
+    calls, requests, seconds = (metric(server, name) for name in (
+        "interp_collect_seconds_count", "interp_collected_requests_total", "interp_collect_seconds_sum"))
+    for _ in range(3):
+        client.completions.create(model="tiny_random", prompt="Once upon a time", max_tokens=2,
+                                  extra_body={"interp": {"capture": {"layers": 0}}})
+    client.completions.create(model="tiny_random", prompt="Once upon a time", max_tokens=2)
+    assert metric(server, "interp_collect_seconds_count") == calls + 3  # one at a time: a read-back each
+    assert metric(server, "interp_collected_requests_total") == requests + 3
+    assert metric(server, "interp_collect_seconds_sum") > seconds
+
+
 # -- named vectors ------------------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -18,6 +19,29 @@ from interp_runner.serve.compile import Compiled
 
 REGISTER_VECTORS = "interp_register_vectors"
 COLLECT = "interp_collect"
+
+
+class CollectMetrics:
+    """The read-backs of a server's process, on vLLM's ``/metrics`` page (Prometheus): ``interp_collect_seconds``
+    (one observation per ``collective_rpc``, from the call to the decoded results) and
+    ``interp_collected_requests_total``."""
+
+    _made: CollectMetrics | None = None
+
+    def __init__(self):
+        from prometheus_client import Counter, Histogram
+
+        self.seconds = Histogram("interp_collect_seconds", "interp-serve: one read-back of finished requests' results "
+                                 "from the workers (collective_rpc)",
+                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
+        self.requests = Counter("interp_collected_requests", "interp-serve: requests whose results were read back")
+
+    @classmethod
+    def once(cls) -> CollectMetrics:
+        """One set a process: Prometheus refuses a second metric of a name."""
+        if cls._made is None:
+            cls._made = cls()
+        return cls._made
 
 
 @dataclass
@@ -41,6 +65,7 @@ class Collector:
         self.engine = engine
         self.waiting: dict[str, asyncio.Future | None] = {}
         self.task: asyncio.Task | None = None
+        self.metrics = CollectMetrics.once()
 
     def collect(self, rid: str) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -62,11 +87,14 @@ class Collector:
             batch, self.waiting = self.waiting, {}
             try:
                 results: dict = {}
+                t0 = time.perf_counter()
                 with result_block() as block:
                     per_rank = await self.engine.collective_rpc(COLLECT, args=(list(batch), True, [], block))
                     for message in per_rank:
                         if message is not None:  # None: a rank other than the result rank
                             results.update(received(message, block))
+                self.metrics.seconds.observe(time.perf_counter() - t0)
+                self.metrics.requests.inc(len(batch))
             except Exception as err:  # the engine died: every waiter hears of it
                 for future in batch.values():
                     if future is not None and not future.done():
