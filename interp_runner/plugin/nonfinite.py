@@ -13,8 +13,9 @@ flag slot: fixed buffers and shapes, no host sync, inside compiled graphs and CU
 - ``flags[slot]``: 1 once a row of the slot's request was bad.
 
 A request holds one slot from admission to release; a packed request one for its shared prefix and one per cell (a
-cell is flagged by either). At release its slots' flags are copied out (held on the device) and zeroed for their
-next owner, before any further step; they are read back with the request's results (``collect``).
+cell is flagged by either). At release its slots' flags are copied out and zeroed for their next owner, before any
+further step; the copy goes on to pinned host memory at once, behind an event, so reading it with the request's
+results (``collect``) waits for that copy alone, not for the steps queued after it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class ResultFlags:
         self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
         self._released: list[int] = []  # slots released since the last flush
         self._entries: list[tuple[str, list[int]]] = []  # their requests: (rid, indices into ``_released``)
-        self._held: list[tuple[torch.Tensor, list[tuple[str, list[int]]]]] = []  # copied out, not yet read
+        # copied out (host values, the event of their copy or None, their requests), not yet read
+        self._held: list[tuple[torch.Tensor, torch.cuda.Event | None, list[tuple[str, list[int]]]]] = []
         self.flagged: dict[str, bool] = {}  # read back, not yet collected
         self._staging = staging
         self._is_result_rank = is_result_rank
@@ -76,7 +78,15 @@ class ResultFlags:
             return
         index = self._staging.upload(np.array(self._released, dtype=np.int64))
         if self._is_result_rank:
-            self._held.append((self.flags.index_select(0, index), self._entries))
+            picked = self.flags.index_select(0, index)
+            on_device = picked.is_cuda
+            host = torch.empty(picked.shape, dtype=picked.dtype, device="cpu", pin_memory=on_device)
+            host.copy_(picked, non_blocking=on_device)
+            copied = None
+            if on_device:
+                copied = torch.cuda.Event()
+                copied.record()
+            self._held.append((host, copied, self._entries))
         self.flags.index_fill_(0, index, 0)
         self._released, self._entries = [], []
 
@@ -84,8 +94,10 @@ class ResultFlags:
         """Whether each of ``rids`` (released) was computed through a non-finite value."""
         self.flush()
         held, self._held = self._held, []
-        for values, entries in held:
-            values = values.cpu().numpy()
+        for host, copied, entries in held:
+            if copied is not None:
+                copied.synchronize()  # this copy only: the steps queued after it may still run
+            values = host.numpy()
             for rid, at in entries:
                 self.flagged[rid] = bool(values[at].any())
         return {rid: self.flagged.pop(rid, False) for rid in rids}
