@@ -24,6 +24,7 @@
 # options), BENCH_SUFFIX (appended to the bench result files' names), STORE_DIR, STORE_ARGS (more
 # bench/store_bandwidth.py options), TEST_FILES.
 # On a machine prepared with the offline bundle, /tmp/gpu-env.sh is sourced first.
+# Several of these runs side by side on one machine's GPUs, under one deadline: bench/gpu_lanes.sh.
 #
 # runners: every one-GPU test file under V1 and under V2 (VLLM_USE_V2_MODEL_RUNNER=0 / 1), the twelve (runner, file
 # group) jobs spread over the visible GPUs side by side, logs pytest_v1_*.log and pytest_v2_*.log. RUNNER_ONLY="gpu
