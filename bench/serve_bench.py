@@ -298,7 +298,6 @@ def main() -> None:
     ratios = {c: {m: [] for m in METRICS} for c in args.conditions}
     collects = {c: dict.fromkeys(COLLECT_METRICS, 0.0) for c in args.conditions}
     lanes: list[Lane] = []
-    t0 = time.monotonic()
     try:
         report["response_bytes"] = response_bytes(8102, facts.num_layers)
         report["fresh_vector_ttft"] = fresh_vector_ttft(8102, "served", facts.hidden_size, args.ttft_repeats)

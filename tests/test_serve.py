@@ -344,15 +344,15 @@ def test_stream_and_disconnect_mid_stream(server, client):
     assert len(r.model_extra["interp"]["captures"]) == 1
 
 
-def running(server) -> float:
+def metric(server, name: str) -> float:
+    """The server's ``name`` on its /metrics page, summed over its labels."""
     text = urllib.request.urlopen(server["base"] + "/metrics", timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
+               if line.startswith((name + " ", name + "{")))
 
 
-def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(server["base"] + "/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+def running(server) -> float:
+    return metric(server, "vllm:num_requests_running")
 
 
 def test_read_backs_are_counted_on_vllms_metrics_page(server, client):

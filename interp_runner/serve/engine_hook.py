@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,9 +25,8 @@ COLLECT = "interp_collect"
 class CollectMetrics:
     """The read-backs of a server's process, on vLLM's ``/metrics`` page (Prometheus): ``interp_collect_seconds``
     (one observation per ``collective_rpc``, from the call to the decoded results) and
-    ``interp_collected_requests_total``."""
-
-    _made: CollectMetrics | None = None
+    ``interp_collected_requests_total``. One set a process (``collect_metrics``): Prometheus refuses a second
+    metric of a name."""
 
     def __init__(self):
         from prometheus_client import Counter, Histogram
@@ -36,12 +36,8 @@ class CollectMetrics:
                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
         self.requests = Counter("interp_collected_requests", "interp-serve: requests whose results were read back")
 
-    @classmethod
-    def once(cls) -> CollectMetrics:
-        """One set a process: Prometheus refuses a second metric of a name."""
-        if cls._made is None:
-            cls._made = cls()
-        return cls._made
+
+collect_metrics = functools.cache(CollectMetrics)
 
 
 @dataclass
@@ -65,7 +61,7 @@ class Collector:
         self.engine = engine
         self.waiting: dict[str, asyncio.Future | None] = {}
         self.task: asyncio.Task | None = None
-        self.metrics = CollectMetrics.once()
+        self.metrics = collect_metrics()
 
     def collect(self, rid: str) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
