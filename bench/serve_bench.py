@@ -132,13 +132,14 @@ class Lane:
             self.proc.kill()
 
 
-def bench_args(args, port: int, out: Path, num_prompts: int, concurrency: int, extra: dict | None) -> list[str]:
+def bench_args(args, port: int, out: Path, num_prompts: int, concurrency: int, extra: dict | None,
+               seed: int) -> list[str]:
     cmd = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "/v1/completions", "--model", args.served_name, "--tokenizer", args.model_dir,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
            "--request-rate", str(args.request_rate), "--max-concurrency", str(concurrency), "--ignore-eos",
-           "--temperature", "0", "--seed", str(args.seed), "--disable-tqdm", "--save-result", "--save-detailed",
+           "--temperature", "0", "--seed", str(seed), "--disable-tqdm", "--save-result", "--save-detailed",
            "--result-dir", str(out.parent), "--result-filename", out.name]
     if extra:
         cmd += ["--extra-body", json.dumps(extra)]
@@ -169,12 +170,17 @@ def pooled(results: list[dict]) -> dict:
             "output_throughput": sum(r["output_throughput"] for r in results)}
 
 
-def interval(args, lanes: list[Lane], port: int, condition: str, work: Path, tag: str, layers: int) -> dict:
-    """One measured interval: the condition's client lanes against the server on ``port``; pooled metrics."""
+def interval(args, lanes: list[Lane], port: int, condition: str, work: Path, tag: str, layers: int,
+             number: int) -> dict:
+    """The ``number``-th measured interval: the condition's client lanes against the server on ``port``; pooled
+    metrics. Every lane of every interval sends prompts of its own (its own seed): no prompt is in a server's prefix
+    cache from an earlier one, which would favour whatever may read it (a steered request may not read an unsteered
+    one's KV)."""
     bodies = lane_bodies(condition, layers)
     outs = [work / f"{tag}-{i}.json" for i in range(len(bodies))]
-    for lane, out, body in zip(lanes, outs, bodies):
-        lane.start(bench_args(args, port, out, args.num_prompts // LANES, args.max_concurrency // LANES, body))
+    for i, (lane, out, body) in enumerate(zip(lanes, outs, bodies)):
+        seed = args.seed + 1 + number * LANES + i
+        lane.start(bench_args(args, port, out, args.num_prompts // LANES, args.max_concurrency // LANES, body, seed))
     for lane in lanes:
         lane.wait()
     results = [json.loads(out.read_text()) for out in outs]
@@ -305,6 +311,7 @@ def main() -> None:
         for lane in lanes:
             lane.wait()  # ready: its imports made before anything is measured beside them
         t0 = time.monotonic()
+        number = 0  # intervals so far: each sends prompts of its own
         for r in range(args.rounds):  # rounds outermost: a cut run still holds every condition
             now = time.monotonic()
             if r and now - t_start + (now - t0) / r > args.budget_s:  # the next round would end past the budget
@@ -316,7 +323,8 @@ def main() -> None:
                     port = 8101 if which == "stock" else 8102
                     before = collect_metrics(8102) if which == "interp" else None
                     got[which].append(interval(args, lanes, port, "stock" if which == "stock" else condition,
-                                               work, f"{condition}-{r}-{i}-{which}", facts.num_layers))
+                                               work, f"{condition}-{r}-{i}-{which}", facts.num_layers, number))
+                    number += 1
                     if before is not None:  # the interp server's read-backs during the interval
                         after = collect_metrics(8102)
                         for name in COLLECT_METRICS:
