@@ -81,14 +81,18 @@ def model_inspection_in_process():
 
 
 def _release_cached_gpu_memory() -> None:
-    """Before an engine starts in a process that had one: a closed engine's CUDA graphs destroyed and their memory
-    pool released. Destroyed later, during the new engine's start, they leave the shared graph pool with no user
-    but not released, and the new engine's first graph capture into it fails inside torch's allocator."""
+    """Before an engine starts in a process that had one: a closed engine's CUDA graphs destroyed, their memory
+    released, and a graph memory pool of its own for the new engine. vLLM captures every engine's graphs into one
+    process-wide pool; once the closed engine's graphs are gone that pool has no user, but torch keeps it while any
+    tensor allocated in it lives on, and a capture into such a pool fails inside torch's allocator."""
     import torch
 
     if torch.cuda.is_initialized():
         gc.collect()
         torch.cuda.empty_cache()
+        from vllm.platforms import current_platform
+
+        type(current_platform)._global_graph_pool = None  # the next capture makes a new pool
 
 
 def _child_pids() -> set[int]:

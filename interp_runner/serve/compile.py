@@ -75,13 +75,24 @@ def steer_entries(tiers: Tiers, where: str, facts: ModelFacts, named: dict[str, 
 def check_dtype(steer: list[Steer], vectors: dict[str, np.ndarray], dtype: str, where: str) -> None:
     """Steering sums become the engine's dtype on the workers: they must stay finite there."""
     limit = DTYPE_MAX[dtype]
-    sums: dict[tuple, np.ndarray] = defaultdict(lambda: 0)
+    terms: dict[tuple, list[Steer]] = defaultdict(list)
+    for entry in steer:
+        for phase in (PREFILL, DECODE):
+            if entry.phases & phase:
+                terms[entry.site, phase].append(entry)
+    peaks: dict[str, np.float32] = {}  # each vector's largest magnitude, found once
+    largest = 0.0
     with np.errstate(over="ignore"):
-        for entry in steer:
-            for phase in (PREFILL, DECODE):
-                if entry.phases & phase:
-                    sums[entry.site, phase] = sums[entry.site, phase] + vectors[entry.vector] * np.float32(entry.scale)
-    largest = max((float(np.abs(v).max()) for v in sums.values()), default=0.0)
+        for entries in terms.values():
+            if len(entries) == 1:  # one term: its peak is the vector's, scaled (float32 rounding keeps the order)
+                e = entries[0]
+                if e.vector not in peaks:
+                    peaks[e.vector] = np.abs(vectors[e.vector]).max()
+                peak = float(np.abs(peaks[e.vector] * np.float32(e.scale)))
+            else:
+                total = sum(vectors[e.vector] * np.float32(e.scale) for e in entries)
+                peak = float(np.abs(total).max())
+            largest = max(largest, peak)
     if largest > limit:
         raise ConfigError.at(where, f"steering adds up to {largest:.3g} at some site, beyond {dtype}'s range "
                                     f"(±{limit:.4g}), the dtype the engine computes in")
