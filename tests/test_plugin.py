@@ -597,3 +597,56 @@ def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_
     assert kept.rows("run", 0, 6) is not None  # still in use
     kept.finish(("run",))
     assert kept.rows("run", 0, 6) is None and kept.reserve("other", 8)
+
+
+def test_ops_outside_graphs_launch_only_what_the_step_does():
+    """Run outside CUDA graphs (a step longer than the graphs, or a CPU), a site's op launches the steering kernel
+    only in a step that steers some row, and the capture kernel only at a site the step captures at; its result is
+    always a fresh tensor with the rows' steering added."""
+    from unittest import mock
+
+    import numpy as np
+    import torch
+
+    from interp_runner.contracts import DECODE, PREFILL, Capture, RequestPayload, Steer
+    from interp_runner.payload import pack_positions
+
+    hidden, sites = 16, (4, 9)
+    vec = np.arange(hidden, dtype=np.float32)
+    state = _planner(hidden, sites)
+    state.register_vectors({"v": vec.tobytes()})
+    requests = {"plain": _request(None, 3),
+                "steered": _request(RequestPayload("steered", steer=(Steer(9, PREFILL | DECODE, "v", 2.0),)), 2),
+                "captured": _request(RequestPayload("captured", capture=(Capture((4,), pack_positions([1]), False),)),
+                                     2)}
+    launches = []
+    steer, capture = state._steer, state._capture
+    state._steer = lambda x, site: launches.append(("steer", site)) or steer(x, site)
+    state._capture = lambda site, out, extra: launches.append(("capture", site)) or capture(site, out, extra)
+
+    def step(batch: list[tuple[str, int, int]]) -> dict[int, torch.Tensor]:
+        launches.clear()
+        rows = sum(n for _, _, n in batch)
+        state.before_forward(_runner(requests, batch), rows)
+        x = torch.ones(rows, hidden)
+        out = {site: state.apply_site(x, None, site) for site in sites}
+        assert all(o is not x for o in out.values())  # never the input itself
+        state.after_forward()
+        return out
+
+    out = step([("plain", 0, 3)])
+    assert launches == [] and all(torch.equal(o, torch.ones(3, hidden)) for o in out.values())
+    out = step([("plain", 3, 1), ("steered", 0, 2)])
+    assert sorted(launches) == [("steer", 4), ("steer", 9)]
+    np.testing.assert_array_equal(out[9][1:].numpy(), np.ones((2, hidden)) + 2 * vec)
+    np.testing.assert_array_equal(out[9][0].numpy(), np.ones(hidden))
+    np.testing.assert_array_equal(out[4].numpy(), np.ones((3, hidden)))
+    step([("plain", 4, 1), ("captured", 0, 2)])
+    assert launches == [("capture", 4)]
+    # captured into a graph: every launch a later replay may need (the kernels themselves stand aside here: no GPU)
+    state._steer = lambda x, site: launches.append(("steer", site)) or x.clone()
+    state._capture = lambda site, out, extra: launches.append(("capture", site))
+    with mock.patch.object(torch.Tensor, "is_cuda", True), \
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
+        step([("plain", 5, 1)])
+    assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4), ("steer", 9)]
