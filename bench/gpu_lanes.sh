@@ -12,6 +12,15 @@
 #
 # Lane N writes under $OUT/lN (default ./gpu-out/lN); the lanes' summaries are gathered into $OUT/summary.txt and
 # printed, and everything the lanes wrote is packed into $OUT/lanes.tgz (a device call returns few files).
+#
+# A lane may run another tree's check (GPU_CHECK=its gpu_check.sh, with INTERP_SITE, INTERP_RUNNER_CACHE and TMPDIR of
+# its own so that the two installs, model caches and bench scratch folders stay apart): an earlier version against
+# this one, in one session and on one host. The earlier tree goes along as an ignored folder, carried to the GPU
+# machine:
+#
+#   git archive REF --prefix=.before/ | tar -x && echo /.before/ >> .git/info/exclude
+#   B="GPU_CHECK=.before/bench/gpu_check.sh INTERP_SITE=/tmp/b/site INTERP_RUNNER_CACHE=/tmp/b/cache TMPDIR=/tmp/b/tmp"
+#   bash bench/gpu_lanes.sh 560 "0|$B|setup bench-small bench-trace" "1||bench-small bench-trace"
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -24,7 +33,8 @@ for lane in "$@"; do
   IFS='|' read -r gpus vars stages <<< "$lane"
   (
     eval "export CUDA_VISIBLE_DEVICES=$gpus OUT=$OUT/l$i GPU_CHECK_BUDGET_S=$(( deadline - $(date +%s) )) $vars"
-    bash bench/gpu_check.sh $stages > /dev/null 2>&1
+    [ -n "${TMPDIR:-}" ] && mkdir -p "$TMPDIR"
+    bash "${GPU_CHECK:-bench/gpu_check.sh}" $stages > /dev/null 2>&1
   ) &
   i=$(( i + 1 ))
 done
