@@ -602,7 +602,8 @@ def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_
 def test_ops_outside_graphs_launch_only_what_the_step_does():
     """Run outside CUDA graphs (a step longer than the graphs, or a CPU), a site's op launches the steering kernel
     only in a step that steers some row, and the capture kernel only at a site the step captures at; its result is
-    always a fresh tensor with the rows' steering added."""
+    always a fresh tensor with the rows' steering added. Before the engine's first request (its warm-up runs) and
+    captured into a graph, it launches both at every site."""
     from unittest import mock
 
     import numpy as np
@@ -634,6 +635,9 @@ def test_ops_outside_graphs_launch_only_what_the_step_does():
         state.after_forward()
         return out
 
+    x = torch.ones(2, hidden)  # a warm-up run: no request yet
+    assert all(torch.equal(state.apply_site(x, None, site), x) for site in sites)
+    assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4), ("steer", 9)]
     out = step([("plain", 0, 3)])
     assert launches == [] and all(torch.equal(o, torch.ones(3, hidden)) for o in out.values())
     out = step([("plain", 3, 1), ("steered", 0, 2)])

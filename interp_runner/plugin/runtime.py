@@ -149,18 +149,23 @@ class InterpState:
 
     # -- the op -------------------------------------------------------------------------------------
     def apply_site(self, x: torch.Tensor, extra: torch.Tensor | None, site: int) -> torch.Tensor:
-        # captured into a CUDA graph, the op launches everything a later step may need; run outside the graphs
-        # (a step longer than the graphs, a CPU), it launches only what this step does
-        graphed = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        out = self._steer(x, site) if graphed or self.steering.active else None
+        every = self._launches_everything(x)
+        out = self._steer(x, site) if every or self.steering.active else None
         p = self.patch_index.get(site)
         if p is not None:  # a single tensor here: the embedding stream or a sub-layer output
             out = self._patch(x if out is None else out, p, out)
         elif out is None:
             out = x.clone()  # the op's result may not alias its input
-        if graphed or site in self.capture.step_sites:
+        if every or site in self.capture.step_sites:
             self._capture(site, out, extra)
         return out
+
+    def _launches_everything(self, x: torch.Tensor) -> bool:
+        """Whether the op launches all its kernels, work or not: captured into a CUDA graph (a later replay may
+        need them), and in every run before the engine's first request (its warm-up runs compile the kernels, so
+        none is compiled inside a capture). Otherwise, a step run outside the graphs (longer than they are, or on
+        a CPU) launches only what it does."""
+        return not self.requests or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def apply_pair(self, x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.patch_index[site]
@@ -171,8 +176,8 @@ class InterpState:
 
     def capture_only(self, x: torch.Tensor, site: int) -> None:
         """Capture at a capture-only site (``x``: [rows, width] at most the buffer's width, padded with zeros to it)."""
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()) and site not in self.capture.step_sites:
-            return  # outside the graphs, a step that captures nothing here
+        if site not in self.capture.step_sites and not self._launches_everything(x):
+            return  # a step that captures nothing here
         width = self.capture.cap_out.shape[1]
         if x.shape[1] < width:
             x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
