@@ -80,7 +80,7 @@ def model_inspection_in_process():
         registry._run_in_subprocess = original
 
 
-def _release_cached_gpu_memory() -> None:
+def _gpu_ready_for_next_engine() -> None:
     """Before an engine starts in a process that had one: a closed engine's CUDA graphs destroyed, their memory
     released, and a graph memory pool of its own for the new engine. vLLM captures every engine's graphs into one
     process-wide pool; once the closed engine's graphs are gone that pool has no user, but torch keeps it while any
@@ -130,7 +130,7 @@ class VllmEngine:
         self.step_tokens: int | None = None
         self.serial = 0
         self.checksums: list[dict] = []
-        _release_cached_gpu_memory()
+        _gpu_ready_for_next_engine()
         before = _child_pids()
         with model_inspection_in_process():
             self.llm = LLM(**kwargs)
