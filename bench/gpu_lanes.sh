@@ -15,7 +15,7 @@
 #
 # A lane may run another tree's check (GPU_CHECK=its gpu_check.sh, with INTERP_SITE, INTERP_RUNNER_CACHE and TMPDIR of
 # its own so that the two installs, model caches and bench scratch folders stay apart): an earlier version against
-# this one, in one session and on one host. The earlier tree goes along as an ignored folder, carried to the GPU
+# this one, in one call and on one host. The earlier tree goes along as an ignored folder, carried to the GPU
 # machine:
 #
 #   git archive REF --prefix=.before/ | tar -x && echo /.before/ >> .git/info/exclude
