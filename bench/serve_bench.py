@@ -9,8 +9,9 @@ the prompts and of ``--max-concurrency`` (64 in all), each lane a process kept f
 load generator once per interval; their per-request records are pooled, so TTFT, TPOT and ITL are means and
 percentiles over every request of the interval. Conditions on the interp server: ``plain`` (no request steered),
 ``steer50`` (two lanes steered, each with its own vector, two plain), ``steer100`` (every lane steered, four
-vectors), all at post_block of every layer (``steer100_layer0``, on request: at layer 0 only); ``capture4`` (every request captures its last prompt position at 4
-layers; the added response bytes are measured on one request). The stock server always gets four plain lanes.
+vectors), all at post_block of every layer (``steer100_layer0``, on request: at layer 0 only); ``capture4`` (every
+request captures its last prompt position at 4 layers; the added response bytes are measured on one request). The
+stock server always gets four plain lanes.
 During every interp interval the server's read-backs of results (``interp_collect_seconds`` on its /metrics page:
 calls, requests, seconds) are summed per condition. Separately, ``fresh-vector TTFT``: a vector registered (POST
 /v1/interp/vectors) right before a streamed request that steers with it, against requests steered with a vector
