@@ -135,8 +135,8 @@ def test_tp2_bf16_teacher_forced_matches_tp1_within_bf16(stores):
 
 def test_compiled_engines_one_after_another_in_one_process(tmp_path):
     """One GPU is enough: a process that closes a compiled engine and starts another with other settings (the TP = 1
-    process above does, bfloat16 then float32) captures the second engine's CUDA graphs into vLLM's shared graph
-    pool, and both runs write complete stores with the same tokens."""
+    process above does, bfloat16 then float32) captures the second engine's CUDA graphs (into a graph pool of its
+    own), and both runs write complete stores."""
     import torch
 
     if not torch.cuda.is_available():
