@@ -12,8 +12,11 @@ percentiles over every request of the interval. Conditions on the interp server:
 vectors), all at post_block of every layer (``steer100_layer0``, on request: at layer 0 only); ``capture4`` (every
 request captures its last prompt position at 4 layers; the added response bytes are measured on one request). The
 stock server always gets four plain lanes.
-During every interp interval the server's read-backs of results (``interp_collect_seconds`` on its /metrics page:
-calls, requests, seconds) are summed per condition. Separately, ``fresh-vector TTFT``: a vector registered (POST
+Each interval starts with the server's prefix cache emptied, and its clients send no lone test request first. For
+every interval, both servers' own figures come from their /metrics pages: engine steps, wall time per step, tokens
+per step, a request's mean queue, prefill and decode time, the server-side TPOT and prefix-cache hits (the table's
+second part gives their medians). During every interp interval the server's read-backs of results
+(``interp_collect_seconds``: calls, requests, seconds) are summed per condition. Separately, ``fresh-vector TTFT``: a vector registered (POST
 /v1/interp/vectors) right before a streamed request that steers with it, against requests steered with a vector
 registered long before and unsteered ones, interleaved.
 
@@ -143,6 +146,7 @@ def bench_args(args, port: int, out: Path, num_prompts: int, concurrency: int, e
            "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
            "--request-rate", str(args.request_rate), "--max-concurrency", str(concurrency), "--ignore-eos",
            "--temperature", "0", "--seed", str(seed), "--disable-tqdm", "--save-result", "--save-detailed",
+           "--ready-check-timeout-sec", "0",  # no lone test request (a copy of the first prompt) before the load
            "--result-dir", str(out.parent), "--result-filename", out.name]
     if extra:
         cmd += ["--extra-body", json.dumps(extra)]
@@ -175,12 +179,28 @@ def pooled(results: list[dict]) -> dict:
             "output_throughput": sum(r["output_throughput"] for r in results)}
 
 
+def reset_prefix_cache(port: int) -> None:
+    """Empty a server's prefix cache (vLLM's dev-mode route, ``VLLM_SERVER_DEV_MODE=1``), retried while blocks are
+    still held by requests finishing."""
+    for _ in range(50):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            body = response.read()
+        if not body or json.loads(body).get("success", True):
+            return
+        time.sleep(0.1)
+    raise SystemExit(f"the server on port {port} did not empty its prefix cache")
+
+
 def interval(args, lanes: list[Lane], port: int, condition: str, work: Path, tag: str, layers: int,
              number: int) -> dict:
     """The ``number``-th measured interval: the condition's client lanes against the server on ``port``; pooled
-    metrics. Every lane of every interval sends prompts of its own (its own seed): no prompt is in a server's prefix
-    cache from an earlier one, which would favour whatever may read it (a steered request may not read an unsteered
-    one's KV)."""
+    metrics. The server's prefix cache is emptied first, and every lane of every interval sends prompts of its own
+    (its own seed). vLLM's random prompts are runs of consecutive token ids from a random start, so over many
+    intervals some starts repeat, and a cache kept across intervals would serve those prompts: most often to a
+    server whose requests all may share KV (stock's), rarely to steered requests, which read only KV computed under
+    their own steering."""
+    reset_prefix_cache(port)
     bodies = lane_bodies(condition, layers)
     outs = [work / f"{tag}-{i}.json" for i in range(len(bodies))]
     for i, (lane, out, body) in enumerate(zip(lanes, outs, bodies)):
@@ -196,17 +216,50 @@ def interval(args, lanes: list[Lane], port: int, condition: str, work: Path, tag
 
 
 COLLECT_METRICS = ("interp_collect_seconds_count", "interp_collect_seconds_sum", "interp_collected_requests_total")
+# vLLM's own counters on both servers' /metrics pages, summed over an interval: engine steps and their tokens, and
+# where a request's time went inside the server
+SERVER_METRICS = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
+                  "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+                  "vllm:request_decode_time_seconds_sum", "vllm:request_time_per_output_token_seconds_sum",
+                  "vllm:request_time_per_output_token_seconds_count", "vllm:prefix_cache_hits_total",
+                  "vllm:e2e_request_latency_seconds_count")
+# per interval, from those: (name, numerator, denominator); ms where the numerator is in seconds
+SERVER_FIGURES = (
+    ("steps", "vllm:iteration_tokens_total_count", None),
+    ("step_ms", "wall_s", "vllm:iteration_tokens_total_count"),
+    ("tokens_per_step", "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count"),
+    ("queue_ms", "vllm:request_queue_time_seconds_sum", "vllm:e2e_request_latency_seconds_count"),
+    ("prefill_ms", "vllm:request_prefill_time_seconds_sum", "vllm:e2e_request_latency_seconds_count"),
+    ("decode_ms", "vllm:request_decode_time_seconds_sum", "vllm:e2e_request_latency_seconds_count"),
+    ("server_tpot_ms", "vllm:request_time_per_output_token_seconds_sum",
+     "vllm:request_time_per_output_token_seconds_count"),
+    ("prefix_hits", "vllm:prefix_cache_hits_total", None),
+)
 
 
-def collect_metrics(port: int) -> dict[str, float]:
-    """interp-serve's read-back counters from its /metrics page (calls, seconds, requests)."""
+def scrape(port: int, names) -> dict[str, float]:
+    """The named samples of a server's /metrics page, each summed over its label sets."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    values = dict.fromkeys(COLLECT_METRICS, 0.0)
+    values = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
+        if line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0]
         if name in values:
             values[name] += float(value)
     return values
+
+
+def server_figures(before: dict, after: dict, wall_s: float) -> dict[str, float | None]:
+    """An interval's ``SERVER_FIGURES`` from the counters before and after it."""
+    delta = {name: after[name] - before[name] for name in before}
+    delta["wall_s"] = wall_s
+    out = {}
+    for figure, num, den in SERVER_FIGURES:
+        scale = 1e3 if figure.endswith("_ms") else 1.0
+        out[figure] = delta[num] if den is None else (scale * delta[num] / delta[den] if delta[den] else None)
+    return out
 
 
 def response_bytes(port: int, layers: int) -> dict:
@@ -296,9 +349,10 @@ def main() -> None:
     args.model_dir, args.served_name = str(folder), "served"
     common = ["--served-model-name", "served", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
               "--max-model-len", str(args.input_len + args.output_len + 64), "--max-num-seqs", "64", "--seed", "0",
-              "--disable-uvicorn-access-log", "--disable-log-stats"]
+              "--disable-uvicorn-access-log"]
     work = Path(tempfile.mkdtemp(prefix="serve_bench."))
-    env = {k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}
+    # both servers with vLLM's dev routes (the prefix-cache reset before each interval)
+    env = {**{k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}, "VLLM_SERVER_DEV_MODE": "1"}
     # one after the other: vLLM's start measures the GPU's free memory, which the other server's start would move
     stock = start([*VLLM, "serve", str(folder), "--port", "8101", *common], 8101, work / "stock.log", env)
     # the installed interp-serve, as a user starts it (the repository root off the path: its kernels/ folder would
@@ -312,6 +366,8 @@ def main() -> None:
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
     ratios = {c: {m: [] for m in METRICS} for c in args.conditions}
     collects = {c: dict.fromkeys(COLLECT_METRICS, 0.0) for c in args.conditions}
+    # every interval's own figures (client metrics and the server's), per condition and server
+    absolute = {c: {"stock": [], "interp": []} for c in args.conditions}
     lanes: list[Lane] = []
     try:
         report["response_bytes"] = response_bytes(8102, facts.num_layers)
@@ -330,12 +386,17 @@ def main() -> None:
                 got = {"stock": [], "interp": []}
                 for i, which in enumerate(("stock", "interp", "interp", "stock")):
                     port = 8101 if which == "stock" else 8102
-                    before = collect_metrics(8102) if which == "interp" else None
+                    names = SERVER_METRICS + (COLLECT_METRICS if which == "interp" else ())
+                    before, t_interval = scrape(port, names), time.monotonic()
                     got[which].append(interval(args, lanes, port, "stock" if which == "stock" else condition,
                                                work, f"{condition}-{r}-{i}-{which}", facts.num_layers, number))
+                    wall = time.monotonic() - t_interval
                     number += 1
-                    if before is not None:  # the interp server's read-backs during the interval
-                        after = collect_metrics(8102)
+                    after = scrape(port, names)
+                    figures = server_figures({n: before[n] for n in SERVER_METRICS},
+                                             {n: after[n] for n in SERVER_METRICS}, wall)
+                    absolute[condition][which].append({**got[which][-1], **figures})
+                    if which == "interp":  # the interp server's read-backs during the interval
                         for name in COLLECT_METRICS:
                             collects[condition][name] += after[name] - before[name]
                 # pairs: each interp interval with the stock interval next to it (1 with 0, 2 with 3)
@@ -349,6 +410,10 @@ def main() -> None:
                 report["collect"] = {**report.get("collect", {}), condition: {
                     "calls": calls, "requests": requests, "seconds": seconds,
                     "mean_ms": 1e3 * seconds / calls if calls else None}}
+                report["absolute"] = {c: {which: {k: _median([x[k] for x in rows]) for k in rows[0]}
+                                              for which, rows in sides.items() if rows}
+                                      for c, sides in absolute.items() if sides["stock"]}
+                report["intervals"] = absolute
                 report["elapsed_s"] = time.monotonic() - t0
                 if args.json:  # after every condition: a run cut short keeps what it measured
                     args.json.write_text(json.dumps(report, indent=1))
@@ -372,9 +437,26 @@ def print_table(report: dict) -> None:
     for condition, c in report.get("collect", {}).items():
         print(f"{condition:<15} read-backs: {c['calls']:.0f} calls for {c['requests']:.0f} requests, "
               f"{c['seconds']:.3f} s in all" + (f", {c['mean_ms']:.2f} ms a call" if c["mean_ms"] else ""))
+    absolute = report.get("absolute", {})
+    if absolute:
+        figures = [k for k in next(iter(absolute.values()))["stock"] if k != "output_throughput"]
+        print("medians per interval (ms; steps per interval; tokens per step):")
+        print(f"{'':<22}" + "".join(f"{k[:14]:>15}" for k in figures))
+        for condition, sides in absolute.items():
+            for which, row in sides.items():
+                print(f"{condition + ' ' + which:<22}" + "".join(f"{_num(row[k]):>15}" for k in figures))
     print("interp / stock, median of paired ratios and its 95% interval; TTFT of a fresh vector (ms):",
           json.dumps(report.get("fresh_vector_ttft")), "| response bytes:", json.dumps(report.get("response_bytes")),
           f"| {report.get('elapsed_s', 0):.0f} s measuring")
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def _fmt(interval_95) -> str:
