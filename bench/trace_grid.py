@@ -206,6 +206,13 @@ HOST_PARTS = (  # (file, function, what) for the host profile; cumulative second
     ("gpu_model_runner.py", "sample_tokens", "vLLM: sampling"),
     ("gpu_model_runner.py", "get_output", "host waiting for the GPU"),
     ("gpu_model_runner.py", "synchronize_input_prep", "host waiting for the previous step's inputs"),
+    # vLLM's V2 runner (vllm/v1/worker/gpu/): its own names for the same parts
+    ("gpu/model_runner.py", "add_requests", "V2 runner: batch state (requests added)"),
+    ("gpu/model_runner.py", "update_requests", "V2 runner: batch state (requests updated)"),
+    ("gpu/model_runner.py", "prepare_inputs", "V2 runner: inputs"),
+    ("gpu/model_runner.py", "prepare_attn", "V2 runner: attention inputs"),
+    ("gpu/model_runner.py", "sample_tokens", "V2 runner: sampling"),
+    ("gpu/async_utils.py", "get_output", "V2 runner: host waiting for the GPU"),
     ("adapter.py", "collect", "our result collection"),
     ("pipeline.py", "execute", "whole run"),
 )
