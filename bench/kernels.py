@@ -14,8 +14,13 @@ memory speed. Kernels:
 - ``capture_rows``: every row of x + extra into a float32 buffer (count = T, read on the device).
 - ``capture_rows_empty``: count = 0 on a grid of T programs: the cost of a step that captures nothing.
 
-The reference's capture reads the count on the host, so its time includes a device sync. Prints a table last;
-``--json`` keeps everything. Needs a CUDA GPU; under a minute on an H100.
+The reference's capture reads the count on the host, so its time includes a device sync.
+
+Then the host's side of a call, which bounds a step run outside CUDA graphs on a small model (the plugin's ops are
+Python calls there, one per site): each kernel's launcher and its torch reference are called ``LAUNCH_CALLS`` times
+back to back at the shapes of ``LAUNCH_SHAPES`` (SmolLM2's width at decode, mixed and prefill step sizes, and an
+8B-wide step), and the host's wall time per call is reported, the device synchronized only after the loop.
+Prints the tables last; ``--json`` keeps everything. Needs a CUDA GPU; under a minute on an H100.
 
     python bench/kernels.py --json $OUT/kernels.json
 """
@@ -37,6 +42,8 @@ ROWS = (32, 512, 8192, 16384)
 DIMS = (1024, 4096)
 TABLE_SLOTS = 16
 COPY_BYTES = 1 << 30
+LAUNCH_SHAPES = ((64, 576), (256, 576), (2048, 576), (256, 4096))
+LAUNCH_CALLS = 2000
 
 
 def load_kernels():
@@ -114,6 +121,27 @@ def cases(rows: int, d: int, reference, triton_rows, dev: str = "cuda"):
     ]
 
 
+def host_us(fn, calls: int = LAUNCH_CALLS) -> float:
+    """The host's wall time of one call (µs), over ``calls`` calls back to back; the device waited for after."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def launch_text(result: dict) -> str:
+    lines = [f"host time of one call (µs), {LAUNCH_CALLS} calls back to back",
+             f"{'kernel':<20}{'T':>7}{'D':>6}{'triton':>9}{'torch':>9}"]
+    lines += [f"{r['kernel']:<20}{r['T']:>7}{r['D']:>6}{r['triton_us']:>9.1f}{r['torch_us']:>9.1f}"
+              for r in result["launch"]]
+    return "\n".join(lines)
+
+
 def table_text(result: dict) -> str:
     copy = result["copy"]["gb_s"]
     lines = [f"device: {result['device']} | copy bandwidth (read + write): {copy:.0f} GB/s",
@@ -163,10 +191,16 @@ def main(argv=None) -> int:
                 result["rows"].append({"kernel": name, "T": rows, "D": d, "bytes": nbytes, "triton_ms": fast_ms,
                                        "torch_ms": slow_ms, "gb_s": nbytes / fast_ms / 1e6})
             torch.cuda.empty_cache()
+    result["launch"] = []
+    for rows, d in LAUNCH_SHAPES:
+        for name, _, fast, slow in cases(rows, d, reference, triton_rows):
+            result["launch"].append({"kernel": name, "T": rows, "D": d, "triton_us": host_us(fast),
+                                     "torch_us": host_us(slow)})
     result["seconds"] = time.perf_counter() - t0
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(table_text(result))
+    print(launch_text(result))
     return 0
 
 
