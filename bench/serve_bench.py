@@ -16,9 +16,9 @@ Each interval starts with the server's prefix cache emptied, and its clients sen
 every interval, both servers' own figures come from their /metrics pages: engine steps, wall time per step, tokens
 per step, a request's mean queue, prefill and decode time, the server-side TPOT and prefix-cache hits (the table's
 second part gives their medians). During every interp interval the server's read-backs of results
-(``interp_collect_seconds``: calls, requests, seconds) are summed per condition. Separately, ``fresh-vector TTFT``: a vector registered (POST
-/v1/interp/vectors) right before a streamed request that steers with it, against requests steered with a vector
-registered long before and unsteered ones, interleaved.
+(``interp_collect_seconds``: calls, requests, seconds) are summed per condition. Separately, ``fresh-vector TTFT``:
+a vector registered (POST /v1/interp/vectors) right before a streamed request that steers with it, against requests
+steered with a vector registered long before and unsteered ones, interleaved.
 
     python bench/serve_bench.py --model smollm2_135m                       # H100: about 10 minutes
     python bench/serve_bench.py --model /models/llama-8b --input-len 1024 --output-len 256 --num-prompts 400
