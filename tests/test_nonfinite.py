@@ -110,7 +110,7 @@ def test_summary_says_how_many_requests_were_flagged_and_which():
 
 
 def test_flags_reach_only_the_requests_of_bad_rows_and_a_slot_starts_clean_for_its_next_owner():
-    from test_plugin import _planner, _request, _runner
+    from test_planner import _planner, _request, _runner
 
     from interp_runner.contracts import RequestPayload
 
