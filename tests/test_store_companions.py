@@ -19,7 +19,8 @@ from interp_runner.config import ConfigError
 from interp_runner.pipeline import run
 from interp_runner.store.claim import StoreTarget
 from test_store import store_config
-from test_store_safety import NoEngine, engine_serving, exporting, resume, snapshot, unfinished  # noqa: F401
+from test_store_journal import resume, unfinished  # noqa: F401
+from test_store_safety import NoEngine, engine_serving, exporting, snapshot
 
 
 def drawing(monkeypatch) -> None:
