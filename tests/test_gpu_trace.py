@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import KV_ROWS, KV_RUNS, build_engine, every_site
-from test_causal_trace import hf_trace, run_packed, trace_config
+from test_causal_trace import run_packed, trace_config
+from test_causal_trace_hf import hf_trace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
 

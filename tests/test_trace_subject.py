@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from test_causal_trace import FACTS, hf_trace, run_packed, trace_config
+from test_causal_trace import FACTS, run_packed, trace_config
+from test_causal_trace_hf import hf_trace
 from interp_runner.kinds.causal_trace.grids import trace_dataset
 
 
