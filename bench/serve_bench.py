@@ -324,6 +324,9 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="each lane's")
     ap.add_argument("--max-concurrency", type=int, default=64, help="requests in flight, all lanes together")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="each server's share")
+    ap.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                    help="both servers' largest CUDA graph, in tokens (vLLM's default: twice max_num_seqs, so 128 "
+                         "here); steps longer than it run outside the graphs, where every interp op is a Python call")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-repeats", type=int, default=20)
     ap.add_argument("--conditions", type=lambda v: v.split(","), default=list(CONDITIONS),
@@ -350,6 +353,8 @@ def main() -> None:
     common = ["--served-model-name", "served", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
               "--max-model-len", str(args.input_len + args.output_len + 64), "--max-num-seqs", "64", "--seed", "0",
               "--disable-uvicorn-access-log"]
+    if args.max_cudagraph_capture_size is not None:
+        common += ["--max-cudagraph-capture-size", str(args.max_cudagraph_capture_size)]
     work = Path(tempfile.mkdtemp(prefix="serve_bench."))
     # both servers with vLLM's dev routes (the prefix-cache reset before each interval)
     env = {**{k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}, "VLLM_SERVER_DEV_MODE": "1"}
