@@ -398,9 +398,7 @@ def main() -> None:
                     wall = time.monotonic() - t_interval
                     number += 1
                     after = scrape(port, names)
-                    figures = server_figures({n: before[n] for n in SERVER_METRICS},
-                                             {n: after[n] for n in SERVER_METRICS}, wall)
-                    absolute[condition][which].append({**got[which][-1], **figures})
+                    absolute[condition][which].append({**got[which][-1], **server_figures(before, after, wall)})
                     if which == "interp":  # the interp server's read-backs during the interval
                         for name in COLLECT_METRICS:
                             collects[condition][name] += after[name] - before[name]
