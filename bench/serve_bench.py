@@ -21,7 +21,11 @@ a vector registered (POST /v1/interp/vectors) right before a streamed request th
 steered with a vector registered long before and unsteered ones, interleaved.
 
     python bench/serve_bench.py --model smollm2_135m                       # H100: about 10 minutes
-    python bench/serve_bench.py --model /models/llama-8b --input-len 1024 --output-len 256 --num-prompts 400
+    python bench/serve_bench.py --model llama8b-random --input-len 1024 --output-len 256 --num-prompts 400
+
+``llama8b-random`` is a Llama-3-8B-shaped model with random weights and no weight files (``bench/random_llama.py``;
+``--llama-shape`` for another shape): stock draws them with vLLM's dummy loader, interp-serve with its seeded one
+(``model.weights: seeded``); a benchmark with ``--ignore-eos`` does the same work whatever the weights.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from paired import median_interval  # noqa: E402  (the same interval as the offline bench)
+from random_llama import LLAMA8B, random_llama  # noqa: E402
+
+RANDOM_MODEL = "llama8b-random"  # a random-weight model of ``LLAMA8B`` (or ``--llama-shape``), no weight files
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "vocab_size")
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_throughput")
 LANES = 4  # client processes per interval
@@ -316,7 +325,9 @@ def fresh_vector_ttft(port: int, name: str, hidden: int, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2_135m", help="a built-in model name or a local HF folder")
+    ap.add_argument("--model", default="smollm2_135m",
+                    help=f"a built-in model name, a local HF folder, or {RANDOM_MODEL}")
+    ap.add_argument("--llama-shape", default="", help=f"{RANDOM_MODEL}'s shape: " + ",".join(SHAPE_KEYS))
     ap.add_argument("--rounds", type=int, default=4, help="ABBA rounds (each: stock, interp, interp, stock)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
@@ -347,8 +358,17 @@ def main() -> None:
     from interp_runner.models.facts import ModelFacts
     from interp_runner.models.materialize import model_path
 
-    folder = model_path(args.model)
-    facts = ModelFacts.from_folder(folder)
+    random_weights = args.model == RANDOM_MODEL
+    if random_weights:
+        shape = dict(zip(SHAPE_KEYS, map(int, args.llama_shape.split(",")))) if args.llama_shape else dict(LLAMA8B)
+        import torch
+
+        folder = random_llama(Path(tempfile.gettempdir()) / "interp-bench" / (
+            "llama-" + "-".join(map(str, shape.values())) + "-dummy"), shape, "dummy",
+            "cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        folder = model_path(args.model)
+    facts = ModelFacts.from_folder(folder, 0 if random_weights else None)
     args.model_dir, args.served_name = str(folder), "served"
     common = ["--served-model-name", "served", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
               "--max-model-len", str(args.input_len + args.output_len + 64), "--max-num-seqs", "64", "--seed", "0",
@@ -359,14 +379,16 @@ def main() -> None:
     # both servers with vLLM's dev routes (the prefix-cache reset before each interval)
     env = {**{k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}, "VLLM_SERVER_DEV_MODE": "1"}
     # one after the other: vLLM's start measures the GPU's free memory, which the other server's start would move
-    stock = start([*VLLM, "serve", str(folder), "--port", "8101", *common], 8101, work / "stock.log", env)
+    stock = start([*VLLM, "serve", str(folder), "--port", "8101", *common,
+                   *(["--load-format", "dummy"] if random_weights else [])], 8101, work / "stock.log", env)
     # the installed interp-serve, as a user starts it (the repository root off the path: its kernels/ folder would
     # shadow the `kernels` package transformers probes for)
     serve_main = "import sys; del sys.path[0]; from interp_runner.serve.cli import main; main()"
     interp = start([sys.executable, "-c", serve_main, f"model.path={folder}",
                     f"engine.max_model_len={args.input_len + args.output_len + 64}",
                     f"engine.gpu_memory_utilization={args.gpu_memory_utilization}", "engine.enforce_eager=false",
-                    "engine.max_num_seqs=64", "--", "--port", "8102", *common[:2], *common[8:]],
+                    "engine.max_num_seqs=64", *(["++model.weights=seeded"] if random_weights else []),
+                    "--", "--port", "8102", *common[:2], *common[8:]],
                    8102, work / "interp.log", env)
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
     ratios = {c: {m: [] for m in METRICS} for c in args.conditions}
