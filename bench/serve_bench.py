@@ -361,11 +361,8 @@ def main() -> None:
     random_weights = args.model == RANDOM_MODEL
     if random_weights:
         shape = dict(zip(SHAPE_KEYS, map(int, args.llama_shape.split(",")))) if args.llama_shape else dict(LLAMA8B)
-        import torch
-
-        folder = random_llama(Path(tempfile.gettempdir()) / "interp-bench" / (
-            "llama-" + "-".join(map(str, shape.values())) + "-dummy"), shape, "dummy",
-            "cuda" if torch.cuda.is_available() else "cpu")
+        folder = random_llama(Path(tempfile.gettempdir()) / "interp-bench" / (  # no weights written: no device
+            "llama-" + "-".join(map(str, shape.values())) + "-dummy"), shape, "dummy", "cpu")
     else:
         folder = model_path(args.model)
     facts = ModelFacts.from_folder(folder, 0 if random_weights else None)
