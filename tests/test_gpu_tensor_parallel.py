@@ -22,7 +22,8 @@ import xarray as xr
 import yaml
 
 from conftest import REPO
-from support.tp_jobs import compiled, float_arrays, ranks_agree, report, run_jobs, scale_of, within_bf16
+from support.tp_jobs import (assert_recovered_within, compiled, float_arrays, ranks_agree, report, run_jobs,
+                             scale_of, within_bf16)
 from test_tensor_parallel import trace_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine, pytest.mark.slow]
@@ -105,19 +106,13 @@ def test_tp2_packed_trace_matches_tp1_in_float32(stores):
 
 
 def assert_trace_recovered_within_propagated(one: xr.Dataset, two: xr.Dataset, logprob_atol: float) -> None:
-    """``recovered`` = (r - c) / (k - c) of the restored probability r, the corrupt one c and the clean one k. Each
-    log-probability may differ between TP sizes by ``logprob_atol``, so each probability by about that fraction of
-    itself, and the ratio divides those by the clean-corrupt gap: |d recovered| <= atol (r + c |1 - R| + k |R|) /
-    |k - c|, with R the recovered value."""
+    """A trace's ``recovered`` grid (the restored probability against each fact's corrupt and clean ones), within
+    the bound ``assert_recovered_within`` propagates."""
     r1, r2 = one["recovered"].values.astype(np.float64), two["recovered"].values.astype(np.float64)
-    restored = one["restored_prob"].values.astype(np.float64)
     shape = (-1,) + (1,) * (r1.ndim - 1)  # per fact, over the grid
-    clean = one["clean_prob"].values.astype(np.float64).reshape(shape)
-    corrupt = one["corrupt_prob"].values.astype(np.float64).reshape(shape)
-    bound = logprob_atol * (restored + corrupt * np.abs(1 - r1) + clean * np.abs(r1)) / np.abs(clean - corrupt)
-    ok = np.isfinite(r1)
-    assert ok.sum() > 0 and (np.abs(r2 - r1)[ok] <= bound[ok]).all(), \
-        f"recovered: worst {np.max(np.abs(r2 - r1)[ok] / bound[ok]):.2f} of the propagated bound"
+    assert_recovered_within(r1, r2, one["restored_prob"].values.astype(np.float64),
+                            one["clean_prob"].values.astype(np.float64).reshape(shape),
+                            one["corrupt_prob"].values.astype(np.float64).reshape(shape), logprob_atol)
 
 
 def test_tp2_bf16_teacher_forced_matches_tp1_within_bf16(stores):

@@ -19,7 +19,7 @@ import pytest
 import xarray as xr
 
 from conftest import REPO
-from support.tp_jobs import TP_RUNS, scale_of
+from support.tp_jobs import TP_RUNS, assert_recovered_within, scale_of
 
 pytestmark = pytest.mark.engine
 
@@ -83,19 +83,15 @@ def runs(tmp_path_factory) -> dict:
 
 
 def assert_recovered_within_propagated(one: xr.Dataset, two: xr.Dataset, logprob_atol: float) -> None:
-    """``recovered`` = (p - c) / (k - c) of the patched request's probability p, the corrupt prompt's c and the clean
-    prompt's k (here prompts 1 and 0). Each log-probability may differ between TP sizes by ``logprob_atol``
-    (all-reduce order), so each probability by about that fraction of itself, and the ratio divides those by the
-    clean-corrupt gap: |d recovered| <= atol (p + c |1 - r| + k |r|) / |k - c|."""
+    """``recovered`` of the patched request (its probability p) against the corrupt prompt's c and the clean
+    prompt's k (here prompts 1 and 0), within the bound ``assert_recovered_within`` propagates."""
     rids = [str(r) for r in one["request"].values]
     prob = np.exp(one["answer_logprob"].values.astype(np.float64))
     solo = {int(r[1:6]): i for i, r in enumerate(rids) if len(r) == 6}  # r00001: prompt 1's unpatched run
     clean, corrupt = prob[solo[0]], prob[solo[1]]
     r1, r2 = one["recovered"].values.astype(np.float64), two["recovered"].values.astype(np.float64)
     assert np.array_equal(np.isnan(r1), np.isnan(r2)) and np.isfinite(r1).sum() == 1
-    bound = logprob_atol * (prob + corrupt * np.abs(1 - r1) + clean * np.abs(r1)) / abs(clean - corrupt)
-    ok = np.isfinite(r1)
-    assert (np.abs(r2 - r1)[ok] <= bound[ok]).all(), (r1[ok], r2[ok], bound[ok])
+    assert_recovered_within(r1, r2, prob, clean, corrupt, logprob_atol)
 
 
 @TWO_RANKS

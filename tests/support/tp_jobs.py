@@ -170,6 +170,18 @@ def scale_of(a: np.ndarray) -> float:
     return max(float(finite.max()), 1.0) if finite.size else 1.0
 
 
+def assert_recovered_within(r1: np.ndarray, r2: np.ndarray, prob, clean, corrupt, logprob_atol: float) -> None:
+    """``recovered`` = (p - c) / (k - c) of a probability p, the corrupt one c and the clean one k, from two TP sizes
+    (``r1``, ``r2``). Each log-probability may differ between them by ``logprob_atol`` (all-reduce order), so each
+    probability by about that fraction of itself, and the ratio divides those by the clean-corrupt gap:
+    |d recovered| <= atol (p + c |1 - R| + k |R|) / |k - c|, with R the recovered value. Checked where R is finite,
+    of which there must be some."""
+    bound = logprob_atol * (prob + corrupt * np.abs(1 - r1) + clean * np.abs(r1)) / np.abs(clean - corrupt)
+    ok = np.isfinite(r1)
+    assert ok.any() and (np.abs(r2 - r1)[ok] <= bound[ok]).all(), \
+        f"recovered: worst {np.max(np.abs(r2 - r1)[ok] / bound[ok]):.2f} of the propagated bound"
+
+
 def float_arrays(ds: xr.Dataset) -> list[str]:
     return sorted(name for name, var in ds.data_vars.items() if var.dtype.kind == "f")
 
