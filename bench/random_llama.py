@@ -8,6 +8,13 @@ from pathlib import Path
 
 LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=14336, vocab_size=128256)
+SHAPE_KEYS = tuple(LLAMA8B)  # the order of a shape given as comma-separated numbers (``--llama-shape``)
+
+
+def llama_shape(text: str) -> dict:
+    """``LLAMA8B``, or the shape ``text`` gives as ``SHAPE_KEYS`` in order (hidden,layers,heads,kv_heads,
+    intermediate,vocab)."""
+    return dict(zip(SHAPE_KEYS, (int(x) for x in text.split(",")))) if text else dict(LLAMA8B)
 
 
 def random_llama(out: Path, shape: dict, weights: str, device: str) -> Path:

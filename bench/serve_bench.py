@@ -45,11 +45,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from paired import median_interval  # noqa: E402  (the same interval as the offline bench)
-from random_llama import LLAMA8B, random_llama  # noqa: E402
+from random_llama import SHAPE_KEYS, llama_shape, random_llama  # noqa: E402
 
 RANDOM_MODEL = "llama8b-random"  # a random-weight model of ``LLAMA8B`` (or ``--llama-shape``), no weight files
-SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-              "vocab_size")
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_throughput")
 LANES = 4  # client processes per interval
@@ -360,7 +358,7 @@ def main() -> None:
 
     random_weights = args.model == RANDOM_MODEL
     if random_weights:
-        shape = dict(zip(SHAPE_KEYS, map(int, args.llama_shape.split(",")))) if args.llama_shape else dict(LLAMA8B)
+        shape = llama_shape(args.llama_shape)
         folder = random_llama(Path(tempfile.gettempdir()) / "interp-bench" / (  # no weights written: no device
             "llama-" + "-".join(map(str, shape.values())) + "-dummy"), shape, "dummy", "cpu")
     else:

@@ -51,7 +51,7 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules beside this one
 
 from paired import median_interval, paired_changes, paired_ratios, table  # noqa: E402
-from random_llama import LLAMA8B, random_llama  # noqa: E402
+from random_llama import llama_shape, random_llama  # noqa: E402
 
 TOPICS = ["a lighthouse keeper", "the history of bread", "a journey to Mars", "an old clock", "the ocean floor",
           "a chess tournament", "a city in the rain", "the first computer", "a mountain village", "a lost dog",
@@ -68,11 +68,7 @@ def resolve_model(args) -> tuple[Path, bool]:
     from interp_runner.models.materialize import model_path
 
     if args.model in ("llama8b-random", "random-llama"):
-        shape = dict(LLAMA8B)
-        if args.llama_shape:
-            keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "intermediate_size", "vocab_size"]
-            shape = dict(zip(keys, (int(x) for x in args.llama_shape.split(","))))
+        shape = llama_shape(args.llama_shape)
         tag = "-".join(str(v) for v in shape.values())
         folder = Path(args.scratch) / f"llama-{tag}-{args.weights}"
         import torch
