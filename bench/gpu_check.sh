@@ -9,7 +9,8 @@
 # Stages: setup (install + models + versions), tests (pytest -m gpu: tests/test_gpu.py, tests/test_kernels.py),
 # kernels (bench/kernels.py: bandwidth of each kernel against a device copy, host time a call), bench-small
 # (SmolLM2: steering and capture overhead), bench-8b (random-weight 8B-shaped Llama), bench-v2 (SmolLM2 on stock
-# vLLM with its default model runner, V2), bench-trace (causal-tracing grids against hand-batched HF hooks: bench/trace_grid.py),
+# vLLM with its default model runner, V2), bench-trace (causal-tracing grids against hand-batched HF hooks:
+# bench/trace_grid.py),
 # bench-store (bench/store_bandwidth.py: a large capture written to zarr against dd on the same filesystem),
 # startup (bench/run_wall.py: whole `interp-run` processes of WALL_CONFIG, default +experiment=causal_trace_full,
 # with WALL_ARGS such as `--variant eager:engine.enforce_eager=true --repeats 2`; result $OUT/$WALL_JSON.json),
