@@ -38,6 +38,7 @@ class SteeringTable:
         self.dtype = dtype
         self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.table = torch.zeros((max(len(sites), 1), num_slots, hidden_size), dtype=dtype, device=device)
+        self._site_tables = list(self.table)  # one view per site, made once
         self.vectors: dict[str, np.ndarray] = {}
         self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
         self._free_slots = list(range(num_slots - 1, 0, -1))
@@ -48,10 +49,11 @@ class SteeringTable:
         self._fold = fold
 
     # -- the op -------------------------------------------------------------------------------------
-    def steer(self, x: torch.Tensor, site: int) -> torch.Tensor | None:
-        """x plus the rows' steering at this site (a fresh tensor), or None where the site does not steer."""
+    def steer(self, x: torch.Tensor, site: int, eager: bool) -> torch.Tensor | None:
+        """x plus the rows' steering at this site (a fresh tensor), or None where the site does not steer.
+        ``eager``: the call runs outside CUDA graphs (``kernels.steer_add``)."""
         index = self.index.get(site)
-        return None if index is None else kernels.steer_add(x, self.table[index], self.row_slot)
+        return None if index is None else kernels.steer_add(x, self._site_tables[index], self.row_slot, eager)
 
     @property
     def active(self) -> bool:
