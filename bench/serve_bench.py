@@ -2,7 +2,7 @@
 measured by vLLM's own ``vllm bench serve``, in paired intervals (as ``bench/steer_overhead.py``): both servers run
 side by side on one GPU, idle while the other is measured; rounds alternate stock/interp in ABBA order and each
 interp interval is judged against the stock interval next to it; the table gives the median of these paired ratios
-and its distribution-free 95% interval.
+and its distribution-free 95% interval, for the clients' figures and for the server's own TPOT (its /metrics).
 
 Every interval runs ``LANES`` ``vllm bench serve`` clients side by side against one server, each with a quarter of
 the prompts and of ``--max-concurrency`` (64 in all), each lane a process kept for the whole run that runs vLLM's
@@ -50,6 +50,7 @@ from random_llama import SHAPE_KEYS, llama_shape, random_llama  # noqa: E402
 RANDOM_MODEL = "llama8b-random"  # a random-weight model of ``LLAMA8B`` (or ``--llama-shape``), no weight files
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "median_itl_ms", "output_throughput")
+PAIRED = METRICS + ("server_tpot_ms",)  # paired ratios: the clients' figures, then the server's own TPOT (/metrics)
 LANES = 4  # client processes per interval
 CONDITIONS = ("plain", "steer50", "steer100", "capture4")
 # not run by default: what the steered cost scales with (one layer instead of all: per layer, or per request?)
@@ -386,7 +387,7 @@ def main() -> None:
                     "--", "--port", "8102", *common[:2], *common[8:]],
                    8102, work / "interp.log", env)
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
-    ratios = {c: {m: [] for m in METRICS} for c in args.conditions}
+    ratios = {c: {m: [] for m in PAIRED} for c in args.conditions}
     collects = {c: dict.fromkeys(COLLECT_METRICS, 0.0) for c in args.conditions}
     # every interval's own figures (client metrics and the server's), per condition and server
     absolute = {c: {"stock": [], "interp": []} for c in args.conditions}
@@ -410,22 +411,24 @@ def main() -> None:
                     port = 8101 if which == "stock" else 8102
                     names = SERVER_METRICS + (COLLECT_METRICS if which == "interp" else ())
                     before, t_interval = scrape(port, names), time.monotonic()
-                    got[which].append(interval(args, lanes, port, "stock" if which == "stock" else condition,
-                                               work, f"{condition}-{r}-{i}-{which}", facts.num_layers, number))
+                    figures = interval(args, lanes, port, "stock" if which == "stock" else condition,
+                                       work, f"{condition}-{r}-{i}-{which}", facts.num_layers, number)
                     wall = time.monotonic() - t_interval
                     number += 1
                     after = scrape(port, names)
-                    absolute[condition][which].append({**got[which][-1], **server_figures(before, after, wall)})
+                    got[which].append({**figures, **server_figures(before, after, wall)})
+                    absolute[condition][which].append(got[which][-1])
                     if which == "interp":  # the interp server's read-backs during the interval
                         for name in COLLECT_METRICS:
                             collects[condition][name] += after[name] - before[name]
                 # pairs: each interp interval with the stock interval next to it (1 with 0, 2 with 3)
                 for s, x in ((got["stock"][0], got["interp"][0]), (got["stock"][1], got["interp"][1])):
-                    for m in METRICS:
-                        ratios[condition][m].append(x[m] / s[m])
+                    for m in PAIRED:
+                        if x.get(m) and s.get(m):  # a server figure is None where its scrape found no request
+                            ratios[condition][m].append(x[m] / s[m])
                 report["conditions"][condition] = {
                     m: {"median": statistics.median(v), "interval_95": median_interval(v), "pairs": len(v)}
-                    for m, v in ratios[condition].items()}
+                    for m, v in ratios[condition].items() if v}
                 calls, seconds, requests = (collects[condition][name] for name in COLLECT_METRICS)
                 report["collect"] = {**report.get("collect", {}), condition: {
                     "calls": calls, "requests": requests, "seconds": seconds,
@@ -450,10 +453,11 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'condition':<15} " + " ".join(f"{m:>22}" for m in METRICS))
+    print(f"{'condition':<15} " + " ".join(f"{m:>22}" for m in PAIRED))
     for condition, row in report["conditions"].items():
         print(f"{condition:<15} " + " ".join(f"{row[m]['median']:>10.3f} {str(_fmt(row[m]['interval_95'])):>11}"
-                                             for m in METRICS) + f"  ({row[METRICS[0]]['pairs']} pairs)")
+                                             if m in row else f"{'-':>22}" for m in PAIRED)
+              + f"  ({row[METRICS[0]]['pairs']} pairs)")
     for condition, c in report.get("collect", {}).items():
         print(f"{condition:<15} read-backs: {c['calls']:.0f} calls for {c['requests']:.0f} requests, "
               f"{c['seconds']:.3f} s in all" + (f", {c['mean_ms']:.2f} ms a call" if c["mean_ms"] else ""))

@@ -226,10 +226,13 @@ def run(
     is built for this run (with ``engine_factory``, default ``VllmEngine``)."""
     started_at = provenance.now()
     timings, t_plan = {}, time.perf_counter()
-    prepared = prepare(config, base=Path.cwd())
-    # the plan lives as long as the run: frozen, no collection traverses it again (vLLM's start collects several
-    # times, a second or more each over a large plan, before it freezes the heap itself, for good; so would exit)
-    gc.freeze()
+    with collector_paused():
+        prepared = prepare(config, base=Path.cwd())
+        # the plan lives as long as the run: frozen before collection resumes (the first pass after it would
+        # traverse the whole young plan), and no later pass traverses it again (vLLM's start collects several
+        # times, a second or more each over a large plan, before it freezes the heap itself, for good; so would
+        # exit)
+        gc.freeze()
     timings["plan_s"] = round(time.perf_counter() - t_plan, 2)
     cfg, facts, plan, kind = prepared.cfg, prepared.facts, prepared.plan, prepared.kind
     spec = plan.engine_spec

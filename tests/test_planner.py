@@ -413,8 +413,9 @@ def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_
 def test_ops_outside_graphs_launch_only_what_the_step_does():
     """Run outside CUDA graphs (a step longer than the graphs, or a CPU), a site's op launches the steering kernel
     only in a step that steers some row, and the capture kernel only at a site the step captures at; its result is
-    always a fresh tensor with the rows' steering added. Before the engine's first request (its warm-up runs) and
-    captured into a graph, it launches both at every site."""
+    always a fresh tensor with the rows' steering added, through ATen (``eager``: fewer host cycles than a Triton
+    launch). Before the engine's first request (its warm-up runs, which compile the kernels) and captured into a
+    graph, it launches both at every site, steering through the kernel."""
     from unittest import mock
 
     import numpy as np
@@ -433,7 +434,7 @@ def test_ops_outside_graphs_launch_only_what_the_step_does():
                                      2)}
     launches = []
     steer, capture = state._steer, state._capture
-    state._steer = lambda x, site: launches.append(("steer", site)) or steer(x, site)
+    state._steer = lambda x, site, eager: launches.append(("steer", site, eager)) or steer(x, site, eager)
     state._capture = lambda site, out, extra: launches.append(("capture", site)) or capture(site, out, extra)
 
     def step(batch: list[tuple[str, int, int]]) -> dict[int, torch.Tensor]:
@@ -448,20 +449,20 @@ def test_ops_outside_graphs_launch_only_what_the_step_does():
 
     x = torch.ones(2, hidden)  # a warm-up run: no request yet
     assert all(torch.equal(state.apply_site(x, None, site), x) for site in sites)
-    assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4), ("steer", 9)]
+    assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4, False), ("steer", 9, False)]
     out = step([("plain", 0, 3)])
     assert launches == [] and all(torch.equal(o, torch.ones(3, hidden)) for o in out.values())
     out = step([("plain", 3, 1), ("steered", 0, 2)])
-    assert sorted(launches) == [("steer", 4), ("steer", 9)]
+    assert sorted(launches) == [("steer", 4, True), ("steer", 9, True)]
     np.testing.assert_array_equal(out[9][1:].numpy(), np.ones((2, hidden)) + 2 * vec)
     np.testing.assert_array_equal(out[9][0].numpy(), np.ones(hidden))
     np.testing.assert_array_equal(out[4].numpy(), np.ones((3, hidden)))
     step([("plain", 4, 1), ("captured", 0, 2)])
     assert launches == [("capture", 4)]
     # captured into a graph: every launch a later replay may need (the kernels themselves stand aside here: no GPU)
-    state._steer = lambda x, site: launches.append(("steer", site)) or x.clone()
+    state._steer = lambda x, site, eager: launches.append(("steer", site, eager)) or x.clone()
     state._capture = lambda site, out, extra: launches.append(("capture", site))
     with mock.patch.object(torch.Tensor, "is_cuda", True), \
             mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
         step([("plain", 5, 1)])
-    assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4), ("steer", 9)]
+    assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4, False), ("steer", 9, False)]
