@@ -228,10 +228,10 @@ def run(
     timings, t_plan = {}, time.perf_counter()
     with collector_paused():
         prepared = prepare(config, base=Path.cwd())
-        # the plan lives as long as the run: frozen before collection resumes (the first pass after it would
-        # traverse the whole young plan), and no later pass traverses it again (vLLM's start collects several
-        # times, a second or more each over a large plan, before it freezes the heap itself, for good; so would
-        # exit)
+        # no collection while the config, model facts, tokenizer and plan are made (each full pass would traverse
+        # the imports' heap and the growing plan); the plan lives as long as the run: frozen before collection
+        # resumes, no later pass traverses it (vLLM's start collects several times, a second or more each over a
+        # large plan, before it freezes the heap itself, for good; so would exit)
         gc.freeze()
     timings["plan_s"] = round(time.perf_counter() - t_plan, 2)
     cfg, facts, plan, kind = prepared.cfg, prepared.facts, prepared.plan, prepared.kind
