@@ -36,6 +36,7 @@ import functools
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -154,10 +155,14 @@ def merged_spec(specs):
 
 
 class StageClock:
-    """Wall time of each ``engine.run`` call (one per stage in ``execute``)."""
+    """Wall time of each ``engine.run`` call (one per stage in ``execute``), and the process's use of the host over
+    the last whole run (``host``: CPU seconds of all its threads, voluntary and involuntary context switches; the
+    engine runs in this process): a run slower for want of a CPU shows more wall time and involuntary switches for
+    the same CPU seconds, a run doing more work more CPU seconds."""
 
     def __init__(self, engine):
         self.calls: list[tuple[int, float]] = []
+        self.host: dict[str, float] = {}
         run = engine.run
 
         def timed(requests, *a, **kw):
@@ -176,9 +181,13 @@ def ours_once(engine, clock: StageClock, plan) -> tuple[float, list[float], dict
     if not engine.llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache")
     clock.calls.clear()
-    t0 = time.perf_counter()
+    use0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     results = execute(engine, plan, log=lambda _: None, use_tqdm=False)
     total = time.perf_counter() - t0
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    clock.host = {"cpu_s": use.ru_utime + use.ru_stime - use0.ru_utime - use0.ru_stime,
+                  "voluntary_switches": use.ru_nvcsw - use0.ru_nvcsw,
+                  "involuntary_switches": use.ru_nivcsw - use0.ru_nivcsw}
     return total, [dt for _, dt in clock.calls], results
 
 
@@ -359,7 +368,7 @@ def main(argv=None) -> int:
         for label in variants[n]:
             for _ in range(args.warmup):
                 run_variant(label)
-        ours_t, stages_t, hf_t, cached = [], [], [], []
+        ours_t, stages_t, hf_t, cached, host_use = [], [], [], [], []
         variant_t: dict[str, list[float]] = {label: [] for label in variants[n]}
         variant_results: dict[str, dict] = {}
         for r in range(args.repeats):
@@ -367,7 +376,10 @@ def main(argv=None) -> int:
             ours_t.append(total)
             stages_t.append(stages)
             cached.append(sum(x.cached_tokens for x in results.values()))
-            print(f"  ours {total:.3f} s (stages {', '.join(f'{s:.3f}' for s in stages)})", flush=True)
+            host_use.append(clock.host)
+            print(f"  ours {total:.3f} s (stages {', '.join(f'{s:.3f}' for s in stages)}; CPU "
+                  f"{clock.host['cpu_s']:.3f} s, context switches {clock.host['voluntary_switches']} voluntary, "
+                  f"{clock.host['involuntary_switches']} involuntary)", flush=True)
             for label in variants[n]:
                 total, stages, variant_results[label] = run_variant(label)
                 variant_t[label].append(total)
@@ -399,7 +411,7 @@ def main(argv=None) -> int:
                        max_abs_diff_packed_unpacked=float(np.nanmax(np.abs(
                            grid - ours_grid(plan, unpacked, num_layers, n)[0]))))
         row.update(
-            ours_times_s=ours_t, ours_stage_times_s=stages_t, ours_median_s=statistics.median(ours_t),
+            ours_times_s=ours_t, ours_stage_times_s=stages_t, ours_median_s=statistics.median(ours_t), ours_host=host_use,
             ours_stage1_median_s=statistics.median(s[1] for s in stages_t) if len(stages_t[0]) > 1 else None,
             prompt_tokens=len(plan.requests) * n, cached_prompt_tokens=cached,
             ours_clean_logprob=clean_lp, ours_corrupt_logprob=corrupt_lp,
