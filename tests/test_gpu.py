@@ -399,6 +399,39 @@ def test_steered_decode_runs_in_cuda_graphs_and_matches_hf(engine, smollm2_path,
             assert result.token_ids[0] == plain.token_ids[0] and result.logprobs[0] == plain.logprobs[0]
 
 
+def test_steering_outside_cuda_graphs_matches_hf(engine, smollm2_path):
+    """A prompt longer than the largest CUDA graph: its prefill step runs outside the graphs, where a steered site
+    adds its rows' vectors through ATen (``kernels.steer_add(eager=True)``), and its decode steps replay graphs (the
+    Triton kernel). Every generated token matches HF hooks, teacher-forced."""
+    from vllm.config import CUDAGraphMode
+
+    largest = max(engine.llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes)
+    prompt = " ".join(["The river runs past the old mill and on down to the sea."] * 8)
+    steering = {"request": [{"prompts": [0], "base": {"post_block": {"layer": 7, "vector": vec(11).tolist()}}}]}
+    with record_steps() as steps:
+        plan, results = fixed_shape_run(
+            engine, config([prompt], steering=steering, sampling={"max_tokens": 6, "logprobs": 5}))
+    REPORT.append("steered long prompt's steps (tokens, reqs, mode, replays, captured): " + repr(steps))
+    ids = list(plan.requests[0].prompt.token_ids)
+    n = len(ids)
+    assert n > largest, (n, largest)
+    prefill = [s for s in steps if s[0] == n]
+    assert prefill and all(s[2] == CUDAGraphMode.NONE and s[3] == 0 for s in prefill), steps
+    decode = [s for s in steps if s[0] == s[1] == 1]
+    assert decode and all(s[2] != CUDAGraphMode.NONE and s[3] >= 1 for s in decode), steps
+
+    result = results[0]
+    full = ids + result.token_ids[:-1]
+    steer = {(7, "post_block"): vec(11)}
+    ref32, _ = hf(smollm2_path, full, steer)
+    ref16, _ = hf(smollm2_path, full, steer, dtype="bfloat16")
+    plain32, _ = hf(smollm2_path, full)
+    at, chosen = np.arange(n - 1, len(full)), np.array(result.token_ids)
+    moved = check_logprobs(np.array(result.logprobs), ref32[at, chosen], ref16[at, chosen], plain32[at, chosen],
+                           "teacher-forced, prefill outside the graphs")
+    assert moved > 1.0, f"steering moved the reference logprobs by only {moved:.3f}"
+
+
 def test_capture_runs_in_cuda_graphs_and_overflow_leaves_them(engine):
     """Capture writes through persistent buffers inside the graphs: decode steps that capture replay them. A step
     whose rows exceed the capture buffer runs outside the graphs and returns the same rows."""
