@@ -466,3 +466,58 @@ def test_ops_outside_graphs_launch_only_what_the_step_does():
             mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
         step([("plain", 5, 1)])
     assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4, False), ("steer", 9, False)]
+
+
+def test_steps_outside_graphs_gather_every_site_s_steering_once(monkeypatch):
+    """Outside the graphs a step's first steered site gathers its rows' vectors at every site at once; each site
+    then adds its own. The values equal the per-site kernel path's bit for bit: in a planned step, in a repeated one
+    that keeps the gather, with other rows at a site (per site), and above the size limit (per site). Each step's
+    plan drops the previous step's gather."""
+    import numpy as np
+    import torch
+
+    import interp_runner_kernels as kernels
+    from interp_runner.contracts import DECODE, PREFILL, RequestPayload, Steer
+    from interp_runner.plugin import steering as steering_module
+
+    hidden, sites = 16, (4, 9)
+    rng = np.random.default_rng(0)
+    state = _planner(hidden, sites)
+    state.register_vectors({k: rng.standard_normal(hidden).astype(np.float32).tobytes() for k in "ab"})
+    requests = {"a": _request(RequestPayload("a", steer=(Steer(4, PREFILL, "a", 1.5), Steer(9, DECODE, "b", -2.0))), 3),
+                "b": _request(RequestPayload("b", steer=(Steer(9, PREFILL | DECODE, "a", 0.5),)), 2),
+                "plain": _request(None, 2)}
+    table = state.steering
+
+    def expected(x, site):
+        return kernels.steer_add(x, table.table[table.index[site]], table.row_slot)
+
+    def check(x):
+        made = []
+        for site in sites:
+            got = state.apply_site(x, None, site)
+            assert torch.equal(got, expected(x, site)) and got is not x
+            made.append(table._step_gather)
+        assert made[0] is not None and all(g is made[0] for g in made)  # one gather for the step
+
+    batch = [("a", 0, 3), ("plain", 0, 2), ("b", 0, 2)]  # prompts: prefill slots
+    state.before_forward(_runner(requests, batch), 7)
+    x = torch.from_numpy(rng.standard_normal((7, hidden)).astype(np.float32))
+    check(x)
+    assert table._step_gather is not None and table._step_gather.shape == (len(sites), 7, hidden)
+    gathered = table._step_gather
+    assert torch.equal(state.apply_site(x[:5], None, 9), expected(x[:5], 9))  # other rows: site by site
+    assert table._step_gather is gathered
+    state.after_forward()
+    decode = [("a", 3, 1), ("plain", 2, 1), ("b", 2, 1)]  # one generated token each: decode slots
+    state.before_forward(_runner(requests, decode), 3)
+    assert table._step_gather is None  # planned afresh: the last step's gather is dropped
+    y = torch.from_numpy(rng.standard_normal((3, hidden)).astype(np.float32))
+    check(y)
+    state.after_forward()
+    monkeypatch.setattr(steering_module, "GATHER_BYTES", 0)  # too large to gather: site by site, same values
+    state.before_forward(_runner(requests, [("a", 4, 1), ("plain", 3, 1), ("b", 3, 1)]), 3)
+    table._step_gather = None
+    for site in sites:
+        assert torch.equal(state.apply_site(y, None, site), expected(y, site))
+    assert table._step_gather is None

@@ -19,6 +19,8 @@ import torch
 import interp_runner_kernels as kernels
 from interp_runner.contracts import DECODE, PREFILL, Steer
 
+GATHER_BYTES = 64 << 20  # the largest step gather (every steered site's rows at once) made outside CUDA graphs
+
 
 @dataclass(slots=True)
 class SlotPair:
@@ -39,6 +41,7 @@ class SteeringTable:
         self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.table = torch.zeros((max(len(sites), 1), num_slots, hidden_size), dtype=dtype, device=device)
         self._site_tables = list(self.table)  # one view per site, made once
+        self._step_gather: torch.Tensor | None = None  # this step's rows of every site's table (``steer``)
         self.vectors: dict[str, np.ndarray] = {}
         self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
         self._free_slots = list(range(num_slots - 1, 0, -1))
@@ -51,9 +54,29 @@ class SteeringTable:
     # -- the op -------------------------------------------------------------------------------------
     def steer(self, x: torch.Tensor, site: int, eager: bool) -> torch.Tensor | None:
         """x plus the rows' steering at this site (a fresh tensor), or None where the site does not steer.
-        ``eager``: the call runs outside CUDA graphs (``kernels.steer_add``)."""
+
+        ``eager``: the call runs outside CUDA graphs, where each call's host time counts. The step's first steered
+        site then gathers its rows' vectors at every site at once (one ``index_select``), and each site adds its own
+        (one ``add``, as many host calls as an unsteered site's copy): the same values, bit for bit, as the kernel's
+        (``kernels.steer_add``), which runs in the graphs and wherever that gather would exceed ``GATHER_BYTES``."""
         index = self.index.get(site)
-        return None if index is None else kernels.steer_add(x, self._site_tables[index], self.row_slot, eager)
+        if index is None:
+            return None
+        if eager:
+            gathered = self._gathered(x.shape[0])
+            if gathered is not None:
+                return x + gathered[index]
+        return kernels.steer_add(x, self._site_tables[index], self.row_slot, eager)
+
+    def _gathered(self, rows: int) -> torch.Tensor | None:
+        """[sites, rows, hidden]: the step's first ``rows`` rows of every site's table, made once a step (None where
+        too large, or where this step's sites see another number of rows: those steer site by site)."""
+        gathered = self._step_gather
+        if gathered is None:
+            if self.table.numel() // self.table.shape[1] * rows * self.table.element_size() > GATHER_BYTES:
+                return None
+            gathered = self._step_gather = self.table.index_select(1, self.row_slot[:rows])
+        return gathered if gathered.shape[1] == rows else None
 
     @property
     def active(self) -> bool:
@@ -129,6 +152,7 @@ class SteeringTable:
     def plan(self, plans, starts: np.ndarray, computed: np.ndarray, num_rows: int, num_tokens: int,
              row_of: np.ndarray | None) -> None:
         """Write each row's slot: its request's prefill slot for prompt positions, decode slot after."""
+        self._step_gather = None  # made from this step's slots, should the step steer outside the graphs
         if any(p is not None and p.steer_key is not None for p in plans):
             n = len(starts) - 1
             counts = np.diff(starts)
@@ -154,6 +178,7 @@ class SteeringTable:
 
     def clear(self) -> None:
         """No row steered this step."""
+        self._step_gather = None
         if self._row_slots is not False:
             self.row_slot.zero_()
             self._row_slots = False
