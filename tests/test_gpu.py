@@ -400,9 +400,9 @@ def test_steered_decode_runs_in_cuda_graphs_and_matches_hf(engine, smollm2_path,
 
 
 def test_steering_outside_cuda_graphs_matches_hf(engine, smollm2_path):
-    """A prompt longer than the largest CUDA graph: its prefill step runs outside the graphs, where a steered site
-    adds its rows' vectors through ATen (``kernels.steer_add(eager=True)``), and its decode steps replay graphs (the
-    Triton kernel). Every generated token matches HF hooks, teacher-forced."""
+    """A prompt longer than the largest CUDA graph: its prefill step runs outside the graphs, where steering goes
+    through ATen (the step's gather of every steered site's rows, then an add a site), and its decode steps replay
+    graphs (the Triton kernel). Every generated token matches HF hooks, teacher-forced."""
     from vllm.config import CUDAGraphMode
 
     largest = max(engine.llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes)
