@@ -411,7 +411,8 @@ def main(argv=None) -> int:
                        max_abs_diff_packed_unpacked=float(np.nanmax(np.abs(
                            grid - ours_grid(plan, unpacked, num_layers, n)[0]))))
         row.update(
-            ours_times_s=ours_t, ours_stage_times_s=stages_t, ours_median_s=statistics.median(ours_t), ours_host=host_use,
+            ours_times_s=ours_t, ours_stage_times_s=stages_t, ours_median_s=statistics.median(ours_t),
+            ours_host=host_use,
             ours_stage1_median_s=statistics.median(s[1] for s in stages_t) if len(stages_t[0]) > 1 else None,
             prompt_tokens=len(plan.requests) * n, cached_prompt_tokens=cached,
             ours_clean_logprob=clean_lp, ours_corrupt_logprob=corrupt_lp,
