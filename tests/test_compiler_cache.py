@@ -28,8 +28,8 @@ def test_kv_ranges_key_prefix_cache_blocks_by_steering(compile_):
     assert plan.requests[3].kv_ranges == ()  # capture only: shares KV with unsteered requests
     # a different scale, layer or hook is a different digest; the same steering compiles to the same one
     base = kv_digest(plan.requests[0], 0)
-    for term, hook in [({"layer": 0, "vector": a, "scale": 2.0}, "post_block"), ({"layer": 1, "vector": a}, "post_block"),
-                       ({"layer": 0, "vector": a}, "mlp_out")]:
+    for term, hook in [({"layer": 0, "vector": a, "scale": 2.0}, "post_block"),
+                       ({"layer": 1, "vector": a}, "post_block"), ({"layer": 0, "vector": a}, "mlp_out")]:
         other = compile_(cfg(steering={"request": [{"prompts": [0], "base": {hook: term}}]}))
         assert kv_digest(other.requests[0], 0) not in (None, base)
     same = compile_(cfg(steering={"global": {"base": {"post_block": {"layer": 0, "vector": a}}}}))
