@@ -407,7 +407,8 @@ def test_steering_outside_cuda_graphs_matches_hf(engine, smollm2_path):
 
     largest = max(engine.llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes)
     prompt = " ".join(["The river runs past the old mill and on down to the sea."] * 8)
-    steering = {"request": [{"prompts": [0], "base": {"post_block": {"layer": 7, "vector": vec(11).tolist()}}}]}
+    vector = 4 * vec(11)  # large enough to move the log-probs well past bf16 noise
+    steering = {"request": [{"prompts": [0], "base": {"post_block": {"layer": 7, "vector": vector.tolist()}}}]}
     with record_steps() as steps:
         plan, results = fixed_shape_run(
             engine, config([prompt], steering=steering, sampling={"max_tokens": 6, "logprobs": 5}))
@@ -422,7 +423,7 @@ def test_steering_outside_cuda_graphs_matches_hf(engine, smollm2_path):
 
     result = results[0]
     full = ids + result.token_ids[:-1]
-    steer = {(7, "post_block"): vec(11)}
+    steer = {(7, "post_block"): vector}
     ref32, _ = hf(smollm2_path, full, steer)
     ref16, _ = hf(smollm2_path, full, steer, dtype="bfloat16")
     plain32, _ = hf(smollm2_path, full)
