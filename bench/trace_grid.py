@@ -40,6 +40,7 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -156,9 +157,10 @@ def merged_spec(specs):
 
 class StageClock:
     """Wall time of each ``engine.run`` call (one per stage in ``execute``), and the process's use of the host over
-    the last whole run (``host``: CPU seconds of all its threads, voluntary and involuntary context switches; the
-    engine runs in this process): a run slower for want of a CPU shows more wall time and involuntary switches for
-    the same CPU seconds, a run doing more work more CPU seconds."""
+    the last whole run (``host``: CPU seconds of all its threads and of the main one, voluntary and involuntary
+    context switches, the busiest other threads; the engine runs in this process): a run slower for want of a CPU
+    shows more wall time and involuntary switches for the same CPU seconds, a run doing more work (or on a slower
+    CPU) more of the main thread's CPU seconds, a busy neighbour thread by name."""
 
     def __init__(self, engine):
         self.calls: list[tuple[int, float]] = []
@@ -175,19 +177,54 @@ class StageClock:
         engine.run = timed
 
 
+def thread_times() -> dict[int, tuple[str, float, int]]:
+    """This process's threads (Linux): thread id -> (name, CPU seconds so far, the CPU it last ran on)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick, int(rest[36]))
+    return out
+
+
+def thread_use(before: dict, after: dict) -> dict:
+    """The busiest threads other than the main one over a run (CPU seconds, in the kernel's 10 ms ticks) and the CPU
+    the main thread ran on last: a busy neighbour thread shows by name."""
+    main = threading.main_thread().native_id
+    used = {tid: (name, cpu - before.get(tid, (name, 0.0, 0))[1]) for tid, (name, cpu, _) in after.items()}
+    others = sorted(((s, name) for tid, (name, s) in used.items() if tid != main and s > 0), reverse=True)
+    return {"main_on_cpu": after.get(main, ("", 0.0, -1))[2],
+            "other_threads": [[name, round(s, 3)] for s, name in others[:3]]}
+
+
+def threads_note(host: dict) -> str:
+    note = f"; main thread {host['main_cpu_s']:.3f} s"
+    if "main_on_cpu" in host:
+        others = ", ".join(f"{name} {s:.2f}" for name, s in host["other_threads"]) or "none"
+        note += f", last on CPU {host['main_on_cpu']}; other threads: {others}"
+    return note
+
+
 def ours_once(engine, clock: StageClock, plan) -> tuple[float, list[float], dict]:
     from interp_runner.pipeline import execute
 
     if not engine.llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache")
     clock.calls.clear()
-    use0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    threads0 = thread_times() if sys.platform == "linux" else {}
+    use0, main0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.perf_counter()
     results = execute(engine, plan, log=lambda _: None, use_tqdm=False)
     total = time.perf_counter() - t0
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    clock.host = {"cpu_s": use.ru_utime + use.ru_stime - use0.ru_utime - use0.ru_stime,
+    use, main_cpu = resource.getrusage(resource.RUSAGE_SELF), time.thread_time() - main0
+    clock.host = {"cpu_s": use.ru_utime + use.ru_stime - use0.ru_utime - use0.ru_stime, "main_cpu_s": main_cpu,
                   "voluntary_switches": use.ru_nvcsw - use0.ru_nvcsw,
                   "involuntary_switches": use.ru_nivcsw - use0.ru_nivcsw}
+    if threads0:
+        clock.host.update(thread_use(threads0, thread_times()))
     return total, [dt for _, dt in clock.calls], results
 
 
@@ -379,7 +416,7 @@ def main(argv=None) -> int:
             host_use.append(clock.host)
             print(f"  ours {total:.3f} s (stages {', '.join(f'{s:.3f}' for s in stages)}; CPU "
                   f"{clock.host['cpu_s']:.3f} s, context switches {clock.host['voluntary_switches']} voluntary, "
-                  f"{clock.host['involuntary_switches']} involuntary)", flush=True)
+                  f"{clock.host['involuntary_switches']} involuntary{threads_note(clock.host)})", flush=True)
             for label in variants[n]:
                 total, stages, variant_results[label] = run_variant(label)
                 variant_t[label].append(total)
