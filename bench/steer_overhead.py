@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules be
 
 from paired import median_interval, paired_changes, paired_ratios, table  # noqa: E402
 from random_llama import llama_shape, random_llama  # noqa: E402
+from steer_profile import breakdown, planner_profile  # noqa: E402
 
 TOPICS = ["a lighthouse keeper", "the history of bread", "a journey to Mars", "an old clock", "the ocean floor",
           "a chess tournament", "a city in the rain", "the first computer", "a mountain village", "a lost dog",
@@ -228,69 +229,6 @@ def check_captures(plan, collected: dict, hidden: int) -> dict:
             "expected_rows_per_request": [min(expected), max(expected)], "bad": bad[:8], "ok": not bad}
 
 
-def planner_profile(llm, plan, engine) -> dict:
-    """Where a run's time goes (an untimed extra run): on the host, generation and the collection of results; in
-    every worker (through ``collective_rpc``, so in TP workers' own processes too), the plugin's planner, its
-    after-forward work, its collect and the results' packing, and the runner's ``execute_model`` and
-    ``sample_tokens``. Per rank: steps, mean / median / max microseconds, total milliseconds."""
-    llm.collective_rpc(_install_worker_timers)
-    try:
-        run = generate(llm, plan, engine)
-    finally:
-        per_rank = llm.collective_rpc(_fetch_worker_timers)
-    ranks = []
-    for spent in per_rank:
-        ranks.append({key: {"steps": len(values), "mean_us": 1e6 * statistics.fmean(values),
-                            "median_us": 1e6 * statistics.median(values), "max_us": 1e6 * max(values),
-                            "total_ms": 1e3 * sum(values)} for key, values in spent.items() if values})
-    return {"wall_s": run.wall_s, "collect_s": run.collect_s, "ranks": ranks}
-
-
-def _install_worker_timers(worker) -> None:
-    """(Runs in each worker.) Wrap the calls ``planner_profile`` times; ``_fetch_worker_timers`` unwraps them."""
-    import time
-    from collections import defaultdict
-
-    from interp_runner.plugin import worker as worker_module
-    from interp_runner.plugin.runtime import InterpState
-
-    spent, patched = defaultdict(list), []
-
-    def timed(owner, name, key):
-        original = getattr(owner, name)
-        own = name in vars(owner)
-
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[key].append(time.perf_counter() - t0)
-
-        patched.append((owner, name, original if own else None))
-        setattr(owner, name, wrapper)
-
-    timed(InterpState, "before_forward", "planner")
-    timed(InterpState, "after_forward", "after_forward")
-    timed(InterpState, "collect", "collect")
-    timed(worker_module, "send_results", "send_results")
-    for name in ("execute_model", "sample_tokens"):
-        timed(worker.model_runner, name, name)
-    worker.interp_bench_timers = (spent, patched)
-
-
-def _fetch_worker_timers(worker) -> dict:
-    """(Runs in each worker.) The times ``_install_worker_timers`` gathered, its wrappers removed."""
-    spent, patched = worker.interp_bench_timers
-    del worker.interp_bench_timers
-    for owner, name, original in reversed(patched):
-        if original is None:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
-    return dict(spent)
-
-
 def parse_cpus(text: str) -> set[int]:
     cpus = set()
     for part in filter(None, text.split(",")):
@@ -392,33 +330,8 @@ def worker(args) -> dict:
                     info[f"{name}_requests_changed"] = f"{changed}/{len(outputs['idle'])}"
             if info.get("steered_requests_changed", "").startswith("0/"):
                 info["warning"] = "steering changed no request's tokens"
-        info["planner"] = {name: planner_profile(llm, plan, engine) for name, plan in conditions.items()}
+        info["planner"] = {name: planner_profile(llm, plan, engine, generate) for name, plan in conditions.items()}
     return info
-
-
-def breakdown(results: list[dict]) -> str:
-    """Per interp engine and condition: the median collection time of the timed runs, and the profiled run's
-    milliseconds per call kind, summed over steps, on the result rank (rank 0) and the slowest other rank."""
-    keys = ("planner", "after_forward", "execute_model", "sample_tokens", "collect", "send_results")
-    lines = ["where the time goes (ms): the host's collect call (median of the timed runs); then, in one profiled run,",
-             "each worker call kind summed over steps (rank 0 / slowest other rank)",
-             f"{'model':<20}{'condition':<10}{'host':>9}  " + "  ".join(f"{k:>19}" for k in keys)]
-    for result in results:
-        for w in result["workers"]:
-            if w.get("kind") != "interp" or "planner" not in w:
-                continue
-            label = result["model"] + (f" tp{result['tp']}" if result.get("tp", 1) > 1 else "")
-            for cond, prof in w["planner"].items():
-                ranks = prof.get("ranks") or [{}]
-                cells = []
-                for k in keys:
-                    own = ranks[0].get(k, {}).get("total_ms")
-                    other = max((r.get(k, {}).get("total_ms", 0.0) for r in ranks[1:]), default=None)
-                    cell = "-" if own is None else f"{own:.1f}"
-                    cells.append(cell + ("" if other is None else f" / {other:.1f}"))
-                collect = statistics.median(w.get("collect_times_s", {}).get(cond) or [float("nan")]) * 1e3
-                lines.append(f"{label:<20}{cond:<10}{collect:>9.1f}  " + "  ".join(f"{c:>19}" for c in cells))
-    return "\n".join(lines)
 
 
 def parse_conditions(text: str) -> list[str]:
