@@ -19,7 +19,8 @@ The reference's capture reads the count on the host, so its time includes a devi
 Then the host's side of a call, which bounds a step run outside CUDA graphs on a small model (the plugin's ops are
 Python calls there, one per site): each kernel's launcher and its torch reference are called ``LAUNCH_CALLS`` times
 back to back at the shapes of ``LAUNCH_SHAPES`` (SmolLM2's width at decode, mixed and prefill step sizes, and an
-8B-wide step), and the host's wall time per call is reported, the device synchronized only after the loop.
+8B-wide step), and the host's wall time per call is reported, the device synchronized only after the loop; beside
+them the copy a site makes in a step where it has nothing to do (its op's output may not alias its input).
 Prints the tables last; ``--json`` keeps everything. Needs a CUDA GPU; under a minute on an H100.
 
     python bench/kernels.py --json $OUT/kernels.json
@@ -196,6 +197,9 @@ def main(argv=None) -> int:
         for name, _, fast, slow in cases(rows, d, reference, triton_rows):
             result["launch"].append({"kernel": name, "T": rows, "D": d, "triton_us": host_us(fast),
                                      "torch_us": host_us(slow)})
+        x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+        result["launch"].append({"kernel": "copy (a plain site)", "T": rows, "D": d, "triton_us": float("nan"),
+                                 "torch_us": host_us(x.clone)})
     result["seconds"] = time.perf_counter() - t0
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -22,6 +22,8 @@ steered with a vector registered long before and unsteered ones, interleaved.
 
     python bench/serve_bench.py --model smollm2_135m                       # H100: about 10 minutes
     python bench/serve_bench.py --model llama8b-random --input-len 1024 --output-len 256 --num-prompts 400
+    python bench/serve_bench.py --conditions plain,steer100_layer0 --interp-override 'serve.sites.steer.layers=[0]' \
+        --interp-override 'serve.sites.capture.layers=[0]'   # one layer's sites served: what the sites cost
 
 ``llama8b-random`` is a Llama-3-8B-shaped model with random weights and no weight files (``bench/random_llama.py``;
 ``--llama-shape`` for another shape): stock draws them with vLLM's dummy loader, interp-serve with its seeded one
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -278,7 +281,10 @@ def response_bytes(port: int, layers: int) -> dict:
                            "temperature": 0, **extra}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
-        sizes[name] = len(urllib.request.urlopen(request, timeout=60).read())
+        try:
+            sizes[name] = len(urllib.request.urlopen(request, timeout=60).read())
+        except urllib.error.HTTPError as e:  # capture4's layers outside a narrowed serve.sites
+            sizes[name] = f"refused: HTTP {e.code}"
     return sizes
 
 
@@ -337,6 +343,8 @@ def main() -> None:
     ap.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                     help="both servers' largest CUDA graph, in tokens (vLLM's default: twice max_num_seqs, so 128 "
                          "here); steps longer than it run outside the graphs, where every interp op is a Python call")
+    ap.add_argument("--interp-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Hydra override for interp-serve only, e.g. serve.sites.steer.layers=[0] (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-repeats", type=int, default=20)
     ap.add_argument("--conditions", type=lambda v: v.split(","), default=list(CONDITIONS),
@@ -384,7 +392,7 @@ def main() -> None:
                     f"engine.max_model_len={args.input_len + args.output_len + 64}",
                     f"engine.gpu_memory_utilization={args.gpu_memory_utilization}", "engine.enforce_eager=false",
                     "engine.max_num_seqs=64", *(["++model.weights=seeded"] if random_weights else []),
-                    "--", "--port", "8102", *common[:2], *common[8:]],
+                    *args.interp_override, "--", "--port", "8102", *common[:2], *common[8:]],
                    8102, work / "interp.log", env)
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
     ratios = {c: {m: [] for m in PAIRED} for c in args.conditions}
