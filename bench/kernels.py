@@ -20,7 +20,7 @@ Then the host's side of a call, which bounds a step run outside CUDA graphs on a
 Python calls there, one per site): each kernel's launcher and its torch reference are called ``LAUNCH_CALLS`` times
 back to back at the shapes of ``LAUNCH_SHAPES`` (SmolLM2's width at decode, mixed and prefill step sizes, and an
 8B-wide step), and the host's wall time per call is reported, the device synchronized only after the loop; beside
-them the copy a site makes in a step where it has nothing to do (its op's output may not alias its input).
+them the copy a site with nothing to do made in a step before the ops worked in place (a fresh output each).
 Prints the tables last; ``--json`` keeps everything. Needs a CUDA GPU; under a minute on an H100.
 
     python bench/kernels.py --json $OUT/kernels.json
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
             result["launch"].append({"kernel": name, "T": rows, "D": d, "triton_us": host_us(fast),
                                      "torch_us": host_us(slow)})
         x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
-        result["launch"].append({"kernel": "copy (a plain site)", "T": rows, "D": d, "triton_us": float("nan"),
+        result["launch"].append({"kernel": "clone (plain site)", "T": rows, "D": d, "triton_us": float("nan"),
                                  "torch_us": host_us(x.clone)})
     result["seconds"] = time.perf_counter() - t0
     if args.json:

@@ -56,15 +56,17 @@ def _kernels(x: torch.Tensor):
     return _triton() if x.is_cuda else None
 
 
-def steer_add(x: torch.Tensor, table: torch.Tensor, row_slot: torch.Tensor, eager: bool = False) -> torch.Tensor:
-    """A fresh tensor: x[i] + table[row_slot[i]] for every row i (slot 0 holds zeros).
+def steer_add(x: torch.Tensor, table: torch.Tensor, row_slot: torch.Tensor, eager: bool = False,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[i] + table[row_slot[i]] for every row i (slot 0 holds zeros), into ``out`` (fresh when None; may be x
+    itself).
 
     ``eager``: the call is not captured into a CUDA graph, so the host's time per call counts; the reference's two
     ATen calls (the same values, bit for bit) take less of it than a Triton launch."""
     kernels = _kernels(x)
     if kernels is None or eager:
-        return reference.gather_add(x, table, row_slot)
-    return kernels.steer_add(x, table, row_slot)
+        return reference.gather_add(x, table, row_slot, out=out)
+    return kernels.steer_add(x, table, row_slot, out=out)
 
 
 def patch_rows(x: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor, mask: torch.Tensor,
@@ -78,12 +80,14 @@ def patch_rows(x: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor, coef: tor
 
 
 def patch_pair(x: torch.Tensor, extra: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor,
-               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, extra) with the masked rows' sum patched into x and zeroed in extra; fresh tensors."""
+               mask: torch.Tensor, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, extra) with the masked rows' sum patched into x and zeroed in extra: fresh tensors, or x and extra
+    themselves (``in_place``)."""
     kernels = _kernels(x)
-    if kernels is None:
-        return reference.patch_pair(x, extra, bank, idx, coef, mask)
-    return kernels.patch_pair(x, extra, bank, idx, coef, mask)
+    if kernels is not None:
+        return kernels.patch_pair(x, extra, bank, idx, coef, mask, in_place=in_place)
+    new, new_extra = reference.patch_pair(x, extra, bank, idx, coef, mask)
+    return (x.copy_(new), extra.copy_(new_extra)) if in_place else (new, new_extra)
 
 
 def capture_rows(x: torch.Tensor, extra: torch.Tensor | None, src_rows: torch.Tensor, dest_rows: torch.Tensor,

@@ -9,9 +9,12 @@ Capture (``capture_rows_ref``) writes selected rows into a persistent buffer, up
 import torch
 
 
-def gather_add(x: torch.Tensor, table: torch.Tensor, row_slot: torch.Tensor) -> torch.Tensor:
-    """x[i] + table[row_slot[i]] for every row i (slot 0 holds zeros, so unsteered rows keep their value)."""
-    return x + table.index_select(0, row_slot[: x.shape[0]])
+def gather_add(x: torch.Tensor, table: torch.Tensor, row_slot: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[i] + table[row_slot[i]] for every row i (slot 0 holds zeros, so unsteered rows keep their value), into
+    ``out`` (fresh when None; may be x itself)."""
+    steering = table.index_select(0, row_slot[: x.shape[0]])
+    return x + steering if out is None else torch.add(x, steering, out=out)
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,6 +38,13 @@ def _check_rows(name: str, t: torch.Tensor, d: int, dtype: torch.dtype | None = 
         raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
 
 
+def _check_out(name: str, out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out`` takes x's shape and dtype (x itself, or a tensor that does not overlap it)."""
+    _check_rows(name, out, x.shape[1], x.dtype)
+    if out.shape[0] != x.shape[0]:
+        raise ValueError(f"{name}: expected {x.shape[0]} rows, got {out.shape[0]}")
+
+
 def _check_per_row(name: str, t: torch.Tensor, rows: int) -> None:
     if t.shape[0] < rows:
         raise ValueError(f"{name}: needs at least {rows} rows, got {t.shape[0]}")
@@ -92,14 +99,14 @@ def _patch_rows_kernel(x_ptr, bank_ptr, idx_ptr, coef_ptr, mask_ptr, out_ptr, D,
 @triton.jit
 def _patch_pair_kernel(x_ptr, extra_ptr, bank_ptr, idx_ptr, coef_ptr, mask_ptr, out_ptr, extra_out_ptr, D,
                        stride_x, stride_e, stride_b, stride_c, stride_c1, stride_o, stride_eo,
-                       BLOCK_D: tl.constexpr):
+                       IN_PLACE: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
     hit = tl.load(mask_ptr + row)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok)
-    extra = tl.load(extra_ptr + row * stride_e + cols, mask=ok)
     if hit != 0:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok)
+        extra = tl.load(extra_ptr + row * stride_e + cols, mask=ok)
         a = tl.load(coef_ptr + row * stride_c)
         b = tl.load(coef_ptr + row * stride_c + stride_c1)
         src = tl.load(idx_ptr + row).to(tl.int64)
@@ -110,8 +117,11 @@ def _patch_pair_kernel(x_ptr, extra_ptr, bank_ptr, idx_ptr, coef_ptr, mask_ptr, 
         tl.store(extra_out_ptr + row * stride_eo + cols, tl.zeros([BLOCK_D], extra_out_ptr.dtype.element_ty),
                  mask=ok)
     else:
-        tl.store(out_ptr + row * stride_o + cols, x, mask=ok)
-        tl.store(extra_out_ptr + row * stride_eo + cols, extra, mask=ok)
+        if not IN_PLACE:  # in place, an unmasked row costs only its mask byte
+            kept = tl.load(x_ptr + row * stride_x + cols, mask=ok)
+            kept_extra = tl.load(extra_ptr + row * stride_e + cols, mask=ok)
+            tl.store(out_ptr + row * stride_o + cols, kept, mask=ok)
+            tl.store(extra_out_ptr + row * stride_eo + cols, kept_extra, mask=ok)
 
 
 @triton.jit
@@ -130,13 +140,18 @@ def _capture_rows_kernel(x_ptr, extra_ptr, src_ptr, dest_ptr, count_ptr, out_ptr
         tl.store(out_ptr + dest * stride_o + cols, value.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def steer_add(x: torch.Tensor, table: torch.Tensor, row_slot: torch.Tensor) -> torch.Tensor:
-    """A fresh tensor: x[i] + table[row_slot[i]] for every row i (added in float32, rounded once)."""
+def steer_add(x: torch.Tensor, table: torch.Tensor, row_slot: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[i] + table[row_slot[i]] for every row i (added in float32, rounded once), into ``out`` (fresh when None;
+    may be x itself: each element is read before it is written, by the same program)."""
     t, d = x.shape
     _check_rows("x", x, d)
     _check_rows("table", table, d, x.dtype)
     _check_per_row("row_slot", row_slot, t)
-    out = torch.empty((t, d), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((t, d), dtype=x.dtype, device=x.device)
+    else:
+        _check_out("out", out, x)
     if t == 0:
         return out
     block, col_blocks, warps = _launch_shape(d, x.element_size())
@@ -159,9 +174,7 @@ def patch_rows(x: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor, coef: tor
     if out is None:
         out = torch.empty((t, d), dtype=x.dtype, device=x.device)
     else:
-        _check_rows("out", out, d, x.dtype)
-        if out.shape[0] != t:
-            raise ValueError(f"out: expected {t} rows, got {out.shape[0]}")
+        _check_out("out", out, x)
     in_place = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
     if t == 0:
         return out
@@ -173,10 +186,10 @@ def patch_rows(x: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor, coef: tor
 
 
 def patch_pair(x: torch.Tensor, extra: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor,
-               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream kept as two halves (x + extra), in one pass into two fresh tensors: a masked row gets
-    the patched value of x + extra (float32) in the first and zeros in the second; other rows keep both halves
-    bit for bit."""
+               mask: torch.Tensor, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream kept as two halves (x + extra), in one pass into two fresh tensors, or into x and extra
+    themselves (``in_place``: unmasked rows are then not touched at all): a masked row gets the patched value of
+    x + extra (float32) in the first and zeros in the second; other rows keep both halves bit for bit."""
     t, d = x.shape
     _check_rows("x", x, d)
     _check_rows("extra", extra, d)
@@ -186,15 +199,18 @@ def patch_pair(x: torch.Tensor, extra: torch.Tensor, bank: torch.Tensor, idx: to
     _check_per_row("idx", idx, t)
     _check_coef(coef, t)
     mask_u8 = _mask_bytes(mask, t)
-    out = torch.empty((t, d), dtype=x.dtype, device=x.device)
-    extra_out = torch.empty((t, d), dtype=extra.dtype, device=extra.device)
+    if in_place:
+        out, extra_out = x, extra
+    else:
+        out = torch.empty((t, d), dtype=x.dtype, device=x.device)
+        extra_out = torch.empty((t, d), dtype=extra.dtype, device=extra.device)
     if t == 0:
         return out, extra_out
     block, col_blocks, warps = _launch_shape(d, max(x.element_size(), extra.element_size()))
     _patch_pair_kernel[(t, col_blocks)](x, extra, bank, idx, coef, mask_u8, out, extra_out, d, x.stride(0),
                                         extra.stride(0), bank.stride(0), coef.stride(0), coef.stride(1),
-                                        out.stride(0), extra_out.stride(0), BLOCK_D=block, num_warps=warps,
-                                        enable_fp_fusion=False)
+                                        out.stride(0), extra_out.stride(0), IN_PLACE=in_place, BLOCK_D=block,
+                                        num_warps=warps, enable_fp_fusion=False)
     return out, extra_out
 
 

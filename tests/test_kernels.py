@@ -170,6 +170,9 @@ def test_steer_add_cpu(case, dtype):
     inp = make_inputs(10, rows, 24, dtype, masked=masked, alpha=alpha)
     out = kernels.steer_add(inp["x"], inp["table"], inp["row_slot"])
     assert same(out, naive_steer(inp["x"], inp["table"], inp["row_slot"]))
+    in_place = inp["x"].clone()
+    assert kernels.steer_add(in_place, inp["table"], inp["row_slot"], out=in_place) is in_place
+    assert same(in_place, out)
     unsteered = inp["row_slot"][:rows] == 0
     assert same(out[unsteered], (inp["x"][unsteered].float() + 0.0).to(dtype))  # slot 0 adds zeros
 
@@ -204,6 +207,9 @@ def test_patch_pair_cpu(case, dtype):
     out, extra_out = kernels.patch_pair(*args)
     want, want_extra = naive_patch_pair(*args)
     assert same(out, want) and same(extra_out, want_extra)
+    x, extra = inp["x"].clone(), inp["extra"].clone()
+    got, got_extra = kernels.patch_pair(x, extra, *args[2:], in_place=True)
+    assert got is x and got_extra is extra and same(x, want) and same(extra, want_extra)
     if case == "alpha0":
         assert same(out, (inp["x"].float() + inp["extra"].float()).to(dtype))
     if case == "alpha1":
@@ -279,6 +285,9 @@ def test_gpu_steer_add(rows, d, dtype):
     poison_allocator(((rows, d), dtype))
     got = gpu_rows().steer_add(inp["x"], inp["table"], inp["row_slot"])
     assert same(got, kernels.reference.gather_add(inp["x"], inp["table"], inp["row_slot"]))
+    in_place = inp["x"].clone()
+    assert gpu_rows().steer_add(in_place, inp["table"], inp["row_slot"], out=in_place) is in_place
+    assert same(in_place, got)
 
 
 @pytest.mark.gpu
@@ -314,6 +323,10 @@ def test_gpu_patch(rows, d, dtype, alpha):
     else:
         assert same(got, want)
     assert same(got_extra, want_extra) and same(got[~m], x[~m])
+    pair = x.clone(), inp["extra"].clone()
+    returned = rows_mod.patch_pair(*pair, *args, in_place=True)
+    assert returned[0] is pair[0] and returned[1] is pair[1]  # the same tensors, changed in place
+    assert same(pair[0], got) and same(pair[1], got_extra)
 
 
 @pytest.mark.gpu

@@ -21,6 +21,13 @@ def _planner(hidden=16, sites=(4, 9)):
         return runtime.InterpState(cfg, {"plugin": "test", "steer_sites": list(sites), "capture_sites": [sites[0]]})
 
 
+def _applied(state, x, site: int, extra=None):
+    """A copy of x after the site's op, which works in place (x itself is left as it was)."""
+    out = x.clone()
+    state.apply_site(out, extra, site)
+    return out
+
+
 def _request(payload, prompt_len: int):
     """A worker-side request as the planner reads it: its payload (a ``RequestPayload`` or None) as it travels."""
     from interp_runner.contracts import encode_payload
@@ -412,9 +419,9 @@ def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_
 
 def test_ops_outside_graphs_launch_only_what_the_step_does():
     """Run outside CUDA graphs (a step longer than the graphs, or a CPU), a site's op launches the steering kernel
-    only in a step that steers some row, and the capture kernel only at a site the step captures at; its result is
-    always a fresh tensor with the rows' steering added, through ATen (``eager``: fewer host cycles than a Triton
-    launch). Before the engine's first request (its warm-up runs, which compile the kernels) and captured into a
+    only in a step that steers some row, and the capture kernel only at a site the step captures at; it adds the
+    rows' steering to its input in place, through ATen (``eager``: fewer host cycles than a Triton launch), and at a
+    site with nothing to do it touches nothing. Before the engine's first request (its warm-up runs, which compile the kernels) and captured into a
     graph, it launches both at every site, steering through the kernel."""
     from unittest import mock
 
@@ -441,14 +448,12 @@ def test_ops_outside_graphs_launch_only_what_the_step_does():
         launches.clear()
         rows = sum(n for _, _, n in batch)
         state.before_forward(_runner(requests, batch), rows)
-        x = torch.ones(rows, hidden)
-        out = {site: state.apply_site(x, None, site) for site in sites}
-        assert all(o is not x for o in out.values())  # never the input itself
+        out = {site: _applied(state, torch.ones(rows, hidden), site) for site in sites}
         state.after_forward()
         return out
 
     x = torch.ones(2, hidden)  # a warm-up run: no request yet
-    assert all(torch.equal(state.apply_site(x, None, site), x) for site in sites)
+    assert all(torch.equal(_applied(state, x, site), x) for site in sites)
     assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4, False), ("steer", 9, False)]
     out = step([("plain", 0, 3)])
     assert launches == [] and all(torch.equal(o, torch.ones(3, hidden)) for o in out.values())
@@ -495,8 +500,7 @@ def test_steps_outside_graphs_gather_every_site_s_steering_once(monkeypatch):
     def check(x):
         made = []
         for site in sites:
-            got = state.apply_site(x, None, site)
-            assert torch.equal(got, expected(x, site)) and got is not x
+            assert torch.equal(_applied(state, x, site), expected(x, site))
             made.append(table._step_gather)
         assert made[0] is not None and all(g is made[0] for g in made)  # one gather for the step
 
@@ -506,7 +510,7 @@ def test_steps_outside_graphs_gather_every_site_s_steering_once(monkeypatch):
     check(x)
     assert table._step_gather is not None and table._step_gather.shape == (len(sites), 7, hidden)
     gathered = table._step_gather
-    assert torch.equal(state.apply_site(x[:5], None, 9), expected(x[:5], 9))  # other rows: site by site
+    assert torch.equal(_applied(state, x[:5], 9), expected(x[:5], 9))  # other rows: site by site
     assert table._step_gather is gathered
     state.after_forward()
     decode = [("a", 3, 1), ("plain", 2, 1), ("b", 2, 1)]  # one generated token each: decode slots
@@ -519,5 +523,5 @@ def test_steps_outside_graphs_gather_every_site_s_steering_once(monkeypatch):
     state.before_forward(_runner(requests, [("a", 4, 1), ("plain", 3, 1), ("b", 3, 1)]), 3)
     table._step_gather = None
     for site in sites:
-        assert torch.equal(state.apply_site(y, None, site), expected(y, site))
+        assert torch.equal(_applied(state, y, site), expected(y, site))
     assert table._step_gather is None

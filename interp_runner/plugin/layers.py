@@ -43,9 +43,9 @@ def _site_op(self):
             return x, extra
         pair = extra is not None and site in self._interp_pair_sites
         if direct is not None:  # outside any graph: the op's work called as it is, where it has any
-            if site not in direct:
-                return x, extra
-            return state.apply_pair(x, extra, site) if pair else (state.apply_site(x, extra, site), extra)
+            if site in direct:
+                (state.apply_pair if pair else state.apply_site)(x, extra, site)
+            return x, extra
         if pair:
             return apply_pair(x, extra, site)
         return apply_site(x, extra, site), extra

@@ -1,10 +1,12 @@
 """The interp custom ops. What they do at a site is read from persistent buffers.
 
-``interp::site(x, extra, site)`` returns ``x`` plus the row's steering vector for that site, patched where the
-step patches that site, and, on steps that capture, copies the selected rows of the result (plus ``extra``: the
+``interp::site(x, extra, site)`` adds the row's steering vector for that site to ``x`` in place, patches the rows
+the step patches there, and, on steps that capture, copies the selected rows of the result (plus ``extra``: the
 other half of the residual stream that vLLM keeps apart) out before any later op can change them in place.
-``interp::site_pair(x, extra, site)`` does the same at residual-stream sites that patch, returning both halves,
-since a patched row must own the whole stream.
+``interp::site_pair(x, extra, site)`` does the same at residual-stream sites that patch, on both halves in place,
+since a patched row must own the whole stream. Both mutate their inputs and return nothing: under torch.compile
+they are functionalized and put back in place where nothing else reads the old values (Inductor's re-inplacing), so
+a site with nothing to do in a step costs its call and no copy.
 ``interp::capture_only(x, site)`` copies the selected rows of ``x`` out at a capture-only site (``router_logits``)
 and returns nothing: like ``flag_rows``, it is kept in compiled graphs as a side effect.
 ``interp::flag_rows(bad)`` marks the requests of the rows where ``bad`` holds as computed through a non-finite
@@ -41,12 +43,12 @@ def active_state():
     return _active
 
 
-def _site_impl(x: torch.Tensor, extra: Optional[torch.Tensor], site: int) -> torch.Tensor:
-    return active_state().apply_site(x, extra, site)
+def _site_impl(x: torch.Tensor, extra: Optional[torch.Tensor], site: int) -> None:
+    active_state().apply_site(x, extra, site)
 
 
-def _site_pair_impl(x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return active_state().apply_pair(x, extra, site)
+def _site_pair_impl(x: torch.Tensor, extra: torch.Tensor, site: int) -> None:
+    active_state().apply_pair(x, extra, site)
 
 
 def _capture_only_impl(x: torch.Tensor, site: int) -> None:
@@ -57,12 +59,12 @@ def _flag_rows_impl(bad: torch.Tensor) -> None:
     active_state().flag_rows(bad)
 
 
-# (name, implementation, fake implementation for tracing, whether it only acts by side effect)
+# (name, implementation, the arguments it mutates, whether it acts by side effect alone)
 _OPS = (
-    ("site", _site_impl, lambda x, extra, site: torch.empty_like(x), False),
-    ("site_pair", _site_pair_impl, lambda x, extra, site: (torch.empty_like(x), torch.empty_like(extra)), False),
-    ("capture_only", _capture_only_impl, lambda x, site: None, True),
-    ("flag_rows", _flag_rows_impl, lambda bad: None, True),
+    ("site", _site_impl, ("x",), False),
+    ("site_pair", _site_pair_impl, ("x", "extra"), False),
+    ("capture_only", _capture_only_impl, (), True),
+    ("flag_rows", _flag_rows_impl, (), True),
 )
 _library: torch.library.Library | None = None
 
@@ -75,17 +77,23 @@ def register_ops() -> None:
     if _ops_registered:
         return
     _library = torch.library.Library("interp", "FRAGMENT")
-    for name, impl, fake, side_effect in _OPS:
-        _library.define(name + torch.library.infer_schema(impl, mutates_args=()))
+    for name, impl, mutated, side_effect in _OPS:
+        _library.define(name + torch.library.infer_schema(impl, mutates_args=mutated))
         _library.impl(name, impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"interp::{name}", fake, lib=_library)
+        torch.library.register_fake(f"interp::{name}", _returns_nothing, lib=_library)
         if side_effect:  # no output and no mutated argument: without this, dead-code elimination would drop it
             torch.fx.node.has_side_effect(getattr(torch.ops.interp, name).default)
     _ops_registered = True
 
 
+def _returns_nothing(*args) -> None:  # every op's fake: none has an output
+    return None
+
+
 def apply_site(x: torch.Tensor, extra: torch.Tensor | None, site: int) -> torch.Tensor:
-    return torch.ops.interp.site(x, extra, site)
+    """x after the site's op (the same tensor, changed in place)."""
+    torch.ops.interp.site(x, extra, site)
+    return x
 
 
 def capture_only(x: torch.Tensor, site: int) -> None:
@@ -97,4 +105,6 @@ def flag_rows(bad: torch.Tensor) -> None:
 
 
 def apply_pair(x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.interp.site_pair(x, extra, site)
+    """(x, extra) after the site's op (the same tensors, changed in place)."""
+    torch.ops.interp.site_pair(x, extra, site)
+    return x, extra

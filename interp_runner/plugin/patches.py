@@ -38,13 +38,13 @@ class PatchRows:
         self._fold = fold
 
     # -- the op -------------------------------------------------------------------------------------
-    def patch(self, x: torch.Tensor, p: int, out: torch.Tensor | None) -> torch.Tensor:
-        """x with the rows patched at patch site ``p``, into ``out`` (fresh when None; may be x itself)."""
-        return kernels.patch_rows(x, self.bank, self.idx[p], self.coef[p], self.mask[p], out=out)
+    def patch(self, x: torch.Tensor, p: int) -> None:
+        """Patch x's rows at patch site ``p``, in place."""
+        kernels.patch_rows(x, self.bank, self.idx[p], self.coef[p], self.mask[p], out=x)
 
-    def patch_pair(self, x: torch.Tensor, extra: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, extra) with the patched rows' sum patched into x and zeroed in extra; fresh tensors."""
-        return kernels.patch_pair(x, extra, self.bank, self.idx[p], self.coef[p], self.mask[p])
+    def patch_pair(self, x: torch.Tensor, extra: torch.Tensor, p: int) -> None:
+        """Patch the rows' sum into x and zero them in extra, in place."""
+        kernels.patch_pair(x, extra, self.bank, self.idx[p], self.coef[p], self.mask[p], in_place=True)
 
     @property
     def active(self) -> bool:

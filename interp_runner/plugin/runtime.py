@@ -148,17 +148,17 @@ class InterpState:
         self.flag_rows = self.result_flags.flag_rows
 
     # -- the op -------------------------------------------------------------------------------------
-    def apply_site(self, x: torch.Tensor, extra: torch.Tensor | None, site: int) -> torch.Tensor:
+    def apply_site(self, x: torch.Tensor, extra: torch.Tensor | None, site: int) -> None:
+        """The op's work at ``site``, in place on x: steer its rows, patch them, capture them (plus ``extra``). A
+        site with nothing to do this step costs nothing but the call."""
         every = self._launches_everything(x)
-        out = self._steer(x, site, not every) if every or self.steering.active else None
+        if every or self.steering.active:
+            self._steer(x, site, not every)
         p = self.patch_index.get(site)
         if p is not None:  # a single tensor here: the embedding stream or a sub-layer output
-            out = self._patch(x if out is None else out, p, out)
-        elif out is None:
-            out = x.clone()  # the op's result may not alias its input
+            self._patch(x, p)
         if every or site in self.capture.step_sites:
-            self._capture(site, out, extra)
-        return out
+            self._capture(site, x, extra)
 
     def _launches_everything(self, x: torch.Tensor) -> bool:
         """Whether the op launches all its kernels, work or not: captured into a CUDA graph (a later replay may
@@ -167,12 +167,11 @@ class InterpState:
         a CPU) launches only what it does, and steers through ATen rather than Triton (fewer host cycles a call)."""
         return not self.requests or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
-    def apply_pair(self, x: torch.Tensor, extra: torch.Tensor, site: int) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self.patch_index[site]
-        steered = self._steer(x, site, not self._launches_everything(x))
-        out, extra = self._patch_pair(x if steered is None else steered, extra, p)
-        self._capture(site, out, extra)
-        return out, extra
+    def apply_pair(self, x: torch.Tensor, extra: torch.Tensor, site: int) -> None:
+        """The op's work at a residual-stream site that patches, in place on both halves (x + extra)."""
+        self._steer(x, site, not self._launches_everything(x))
+        self._patch_pair(x, extra, self.patch_index[site])
+        self._capture(site, x, extra)
 
     def capture_only(self, x: torch.Tensor, site: int) -> None:
         """Capture at a capture-only site (``x``: [rows, width] at most the buffer's width, padded with zeros to it)."""

@@ -52,22 +52,23 @@ class SteeringTable:
         self._fold = fold
 
     # -- the op -------------------------------------------------------------------------------------
-    def steer(self, x: torch.Tensor, site: int, eager: bool) -> torch.Tensor | None:
-        """x plus the rows' steering at this site (a fresh tensor), or None where the site does not steer.
+    def steer(self, x: torch.Tensor, site: int, eager: bool) -> None:
+        """Add the rows' steering at this site to x, in place (nothing where the site does not steer).
 
         ``eager``: the call runs outside CUDA graphs, where each call's host time counts. The step's first steered
         site then gathers its rows' vectors at every site at once (one ``index_select``), and each site adds its own
-        (one ``add``, as many host calls as an unsteered site's copy): the same values, bit for bit, as the kernel's
+        (one in-place ``add_``): the same values, bit for bit, as the kernel's
         (``kernels.steer_add``, run in the graphs). Where that gather would exceed ``GATHER_BYTES``, or a site sees
         another number of rows, the site steers on its own through ``kernels.steer_add``'s ATen path."""
         index = self.index.get(site)
         if index is None:
-            return None
+            return
         if eager:
             gathered = self._gathered(x.shape[0])
             if gathered is not None:
-                return x + gathered[index]
-        return kernels.steer_add(x, self._site_tables[index], self.row_slot, eager)
+                x.add_(gathered[index])
+                return
+        kernels.steer_add(x, self._site_tables[index], self.row_slot, eager, out=x)
 
     def _gathered(self, rows: int) -> torch.Tensor | None:
         """[sites, rows, hidden]: the step's first ``rows`` rows of every site's table, made once a step (None where

@@ -57,6 +57,9 @@ def test_interpreter_steer_add(interpreted, dtype):
     inp = make_inputs(50, 7, INTERP_D, dtype)
     got = interpreted.steer_add(inp["x"], inp["table"], inp["row_slot"])
     check_rounded(got, kernels.steer_add(inp["x"], inp["table"], inp["row_slot"]))
+    in_place = inp["x"].clone()
+    assert interpreted.steer_add(in_place, inp["table"], inp["row_slot"], out=in_place) is in_place
+    assert same(in_place, got)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -79,6 +82,10 @@ def test_interpreter_patch(interpreted, case, dtype):
     got, got_extra = interpreted.patch_pair(x, inp["extra"], *args)
     check_rounded(got, want, lerp_scale(x.float() + inp["extra"].float(), inp))
     assert same(got_extra, want_extra) and same(got[~m], x[~m])
+    pair = x.clone(), inp["extra"].clone()
+    returned = interpreted.patch_pair(*pair, *args, in_place=True)
+    assert returned[0] is pair[0] and returned[1] is pair[1]  # the same tensors, changed in place
+    assert same(pair[0], got) and same(pair[1], got_extra)
     if case == "alpha1":
         assert same(got, want)  # bank rows: nothing to round
 
