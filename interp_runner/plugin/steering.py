@@ -57,9 +57,9 @@ class SteeringTable:
 
         ``eager``: the call runs outside CUDA graphs, where each call's host time counts. The step's first steered
         site then gathers its rows' vectors at every site at once (one ``index_select``), and each site adds its own
-        (one in-place ``add_``): the same values, bit for bit, as the kernel's
-        (``kernels.steer_add``, run in the graphs). Where that gather would exceed ``GATHER_BYTES``, or a site sees
-        another number of rows, the site steers on its own through ``kernels.steer_add``'s ATen path."""
+        (one ``add_``): the same values, bit for bit, as the kernel's (``kernels.steer_add``, run in the graphs).
+        Where that gather would exceed ``GATHER_BYTES``, or a site sees another number of rows, the site steers on
+        its own through ``kernels.steer_add``'s ATen path."""
         index = self.index.get(site)
         if index is None:
             return
