@@ -110,18 +110,18 @@ def test_summary_says_how_many_requests_were_flagged_and_which():
 
 
 def test_flags_reach_only_the_requests_of_bad_rows_and_a_slot_starts_clean_for_its_next_owner():
-    from test_planner import _planner, _request, _runner
+    from support import planner as stand_in
 
     from interp_runner.contracts import RequestPayload
 
-    state = _planner()
+    state = stand_in.planner()
     payloads = {"A": (3, RequestPayload("A")), "B": (2, None), "C": (2, RequestPayload("C")),
                 "D": (2, RequestPayload("D"))}
-    requests = {rid: _request(p, n) for rid, (n, p) in payloads.items()}
+    requests = {rid: stand_in.request(p, n) for rid, (n, p) in payloads.items()}
 
     def step(rows, bad_rows, live=requests):
         num = sum(n for _, _, n in rows)
-        state.before_forward(_runner(live, rows), num)
+        state.before_forward(stand_in.runner(live, rows), num)
         bad = torch.zeros(num, dtype=torch.bool)
         bad[bad_rows] = True
         state.flag_rows(bad)  # what the last layer's op does

@@ -1,5 +1,5 @@
 """The plugin's step planner (``InterpState``) on stand-in runners: rows of steering, patches and captures per step,
-steering slots, bank rows, prefix-cache placeholders, kept KV, and what an op launches outside CUDA graphs."""
+steering slots, bank rows, prefix-cache placeholders and kept KV (the site ops themselves: ``test_site_ops``)."""
 
 from __future__ import annotations
 
@@ -7,47 +7,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-def _planner(hidden=16, sites=(4, 9)):
-    from unittest import mock
-
-    import torch
-    import vllm.distributed
-
-    from interp_runner.plugin import runtime
-
-    cfg = NS(model_config=NS(hf_text_config=NS(hidden_size=hidden), dtype=torch.float32),
-             scheduler_config=NS(max_num_batched_tokens=64, max_num_seqs=8))
-    with mock.patch.object(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 0):
-        return runtime.InterpState(cfg, {"plugin": "test", "steer_sites": list(sites), "capture_sites": [sites[0]]})
-
-
-def _applied(state, x, site: int, extra=None):
-    """A copy of x after the site's op, which works in place (x itself is left as it was)."""
-    out = x.clone()
-    state.apply_site(out, extra, site)
-    return out
-
-
-def _request(payload, prompt_len: int):
-    """A worker-side request as the planner reads it: its payload (a ``RequestPayload`` or None) as it travels."""
-    from interp_runner.contracts import encode_payload
-
-    extra = {"interp": encode_payload(payload)} if payload is not None else None
-    return NS(sampling_params=NS(extra_args=extra), num_prompt_tokens=prompt_len)
-
-
-def _runner(requests: dict, step: list[tuple[str, int, int]]):
-    """The planner's view of one step of a V1 model runner: ``step`` lists (request id, first position, rows) in
-    batch order."""
-    import numpy as np
-
-    from interp_runner.plugin.runner_view import V1RunnerView
-
-    counts = [rows for _, _, rows in step]
-    return V1RunnerView(NS(requests=requests,
-                           input_batch=NS(num_reqs=len(step), req_ids=[rid for rid, _, _ in step],
-                                          num_computed_tokens_cpu=np.array([first for _, first, _ in step], np.int32)),
-                           query_start_loc=NS(np=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))))
+from support import planner as stand_in
 
 
 def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_steps():
@@ -91,9 +51,9 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
         return total
 
     def run(fresh_every_step: bool):
-        state = _planner(hidden, sites)
+        state = stand_in.planner(hidden, sites)
         state.register_vectors({k: v.tobytes() for k, v in vectors.items()})
-        requests = {rid: _request(p, n) for rid, (n, p) in payloads.items()}
+        requests = {rid: stand_in.request(p, n) for rid, (n, p) in payloads.items()}
         planned_steps = []
         forget = InterpState.forget_finished  # skipped by a repeated step
         with mock.patch.object(InterpState, "_repeats_next_step", lambda *a: False) if fresh_every_step \
@@ -103,7 +63,7 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
             for index, step in enumerate(schedule):
                 finished = {"B"} if index >= 10 else set()
                 live = {r: v for r, v in requests.items() if r not in finished}
-                state.before_forward(_runner(live, step), sum(rows for _, _, rows in step))
+                state.before_forward(stand_in.runner(live, step), sum(rows for _, _, rows in step))
                 slots = state.steering.row_slot.numpy()
                 row = 0
                 for rid, first, count in step:
@@ -120,7 +80,7 @@ def test_planner_rows_follow_tiers_and_batch_changes_including_repeated_decode_s
     repeated_run, repeats, state = run(fresh_every_step=False)
     assert repeats_none == 0 and repeats >= 6  # the steady decode steps reused their buffers
     assert repeated_run == planned
-    state.before_forward(_runner({}, []), 0)
+    state.before_forward(stand_in.runner({}, []), 0)
     assert state.collect(["D"])["D"]["captures"][4][0].tolist() == [3]  # the capture still ran
 
 
@@ -130,16 +90,16 @@ def test_steering_slots_are_kept_for_the_next_wave_and_evicted_when_the_table_fi
     from interp_runner.contracts import DECODE, PREFILL, RequestPayload, Steer
 
     hidden, site = 16, 4
-    state = _planner(hidden, (site,))  # 8 sequences: 17 slots, 8 steering keys at once
+    state = stand_in.planner(hidden, (site,))  # 8 sequences: 17 slots, 8 steering keys at once
     rng = np.random.default_rng(2)
     vectors = {f"v{i}": rng.standard_normal(hidden).astype(np.float32) for i in range(16)}
     state.register_vectors({k: v.tobytes() for k, v in vectors.items()})
 
     def wave(keys):
         """One prefill step of a request per key; returns each request's prefill slot."""
-        requests = {f"{k}-{id(keys)}": _request(RequestPayload(k, steer=(Steer(site, PREFILL | DECODE, k, 1.0),)), 1)
+        requests = {f"{k}-{id(keys)}": stand_in.request(RequestPayload(k, steer=(Steer(site, PREFILL | DECODE, k, 1.0),)), 1)
                     for k in keys}
-        state.before_forward(_runner(requests, [(rid, 0, 1) for rid in requests]), len(keys))
+        state.before_forward(stand_in.runner(requests, [(rid, 0, 1) for rid in requests]), len(keys))
         slots = state.steering.row_slot.numpy()[: len(keys)].copy()
         for row, key in enumerate(keys):
             np.testing.assert_array_equal(state.steering.table[0, slots[row]].numpy(), vectors[key], err_msg=key)
@@ -168,13 +128,13 @@ def test_a_vector_registered_again_with_new_values_is_never_served_from_an_idle_
     from interp_runner.contracts import DECODE, PREFILL, RequestPayload, Steer
 
     hidden, site = 16, 4
-    state = _planner(hidden, (site,))
+    state = stand_in.planner(hidden, (site,))
     old, new = (np.full(hidden, v, np.float32) for v in (1.0, -2.0))
 
     def steered_with(name: str, job: int) -> np.ndarray:
-        requests = {f"r{job}": _request(RequestPayload(f"r{job}", steer=(Steer(site, PREFILL | DECODE, name, 1.0),)),
+        requests = {f"r{job}": stand_in.request(RequestPayload(f"r{job}", steer=(Steer(site, PREFILL | DECODE, name, 1.0),)),
                                         1)}
-        state.before_forward(_runner(requests, [(f"r{job}", 0, 1)]), 1)
+        state.before_forward(stand_in.runner(requests, [(f"r{job}", 0, 1)]), 1)
         value = state.steering.table[0, state.steering.row_slot.numpy()[0]].numpy().copy()
         state.after_forward()
         state.forget_finished({})
@@ -207,8 +167,8 @@ def test_finished_requests_free_their_bank_rows_before_the_runner_drops_them():
         state = runtime.InterpState(cfg, {"plugin": "test", "steer_sites": [], "capture_sites": [4],
                                           "patch_sites": [4], "bank_rows": 4})
     keep = Keep("clean", (KeepGroup((4,), pack_positions(range(4))),))
-    requests = {"clean-0001": _request(RequestPayload("clean", keep=keep), 4)}
-    state.before_forward(_runner(requests, [("clean-0001", 0, 4)]), 4)
+    requests = {"clean-0001": stand_in.request(RequestPayload("clean", keep=keep), 4)}
+    state.before_forward(stand_in.runner(requests, [("clean-0001", 0, 4)]), 4)
     state.after_forward()
     kept = [ref_key("clean", 4, p) for p in range(4)]
     assert sorted(state.patch_bank.rows) == sorted(kept)
@@ -232,10 +192,10 @@ def test_overlapping_capture_specs_copy_each_row_once_even_in_a_step_of_one_requ
     from interp_runner.payload import pack_positions
 
     hidden, site, prompt_len = 16, 4, 10
-    state = _planner(hidden, (site,))
+    state = stand_in.planner(hidden, (site,))
     payload = RequestPayload("A", capture=(Capture((site,), pack_positions([prompt_len - 1]), False),
                                            Capture((site,), pack_positions(range(prompt_len)), False)))
-    state.before_forward(_runner({"A": _request(payload, prompt_len)}, [("A", 0, prompt_len)]), prompt_len)
+    state.before_forward(stand_in.runner({"A": stand_in.request(payload, prompt_len)}, [("A", 0, prompt_len)]), prompt_len)
     x = torch.arange(prompt_len * hidden, dtype=torch.float32).reshape(prompt_len, hidden) + 1
     extra = torch.full_like(x, 0.5)
     state.apply_site(x, extra, site)
@@ -330,9 +290,9 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
         return PatchColumns(pack_positions(sites), pack_positions(positions), keys,
                             np.array(keep, np.float32).tobytes(), np.array(take, np.float32).tobytes())
 
-    first = _request(RequestPayload("one", patch=patch([(9, 5, "s1", 0.0, 1.0), (4, 2, "s2", 0.5, 0.5),
+    first = stand_in.request(RequestPayload("one", patch=patch([(9, 5, "s1", 0.0, 1.0), (4, 2, "s2", 0.5, 0.5),
                                                         (9, 5, "s3", 0.25, 0.75)])), 8)
-    other = _request(RequestPayload("two", patch=patch([(4, 0, "s1", 0.0, 1.0)])), 3)
+    other = stand_in.request(RequestPayload("two", patch=patch([(4, 0, "s1", 0.0, 1.0)])), 3)
     requests = {"a": first, "b": other}
 
     def applied():
@@ -342,9 +302,9 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
                 for f in flat]
 
     # step 1: "b" whole (rows 0-2), then "a" positions 0-3 (rows 3-6); step 2: "a" positions 4-7 (rows 0-3)
-    state.before_forward(_runner(requests, [("b", 0, 3), ("a", 0, 4)]), 7)
+    state.before_forward(stand_in.runner(requests, [("b", 0, 3), ("a", 0, 4)]), 7)
     assert applied() == [(0, 0, bank["s1"], [0.0, 1.0]), (0, 5, bank["s2"], [0.5, 0.5])]
-    state.before_forward(_runner(requests, [("a", 4, 4)]), 4)
+    state.before_forward(stand_in.runner(requests, [("a", 4, 4)]), 4)
     assert applied() == [(1, 1, bank["s3"], [0.25, 0.75])]  # site 9 (index 1), position 5: the later entry
 
 
@@ -415,113 +375,3 @@ def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_
     assert kept.rows("run", 0, 6) is not None  # still in use
     kept.finish(("run",))
     assert kept.rows("run", 0, 6) is None and kept.reserve("other", 8)
-
-
-def test_ops_outside_graphs_launch_only_what_the_step_does():
-    """Run outside CUDA graphs (a step longer than the graphs, or a CPU), a site's op launches the steering kernel
-    only in a step that steers some row, and the capture kernel only at a site the step captures at; it adds the
-    rows' steering to its input in place, through ATen (``eager``: fewer host cycles than a Triton launch), and at a
-    site with nothing to do it touches nothing. Before the engine's first request (its warm-up runs, which compile the kernels) and captured into a
-    graph, it launches both at every site, steering through the kernel."""
-    from unittest import mock
-
-    import numpy as np
-    import torch
-
-    from interp_runner.contracts import DECODE, PREFILL, Capture, RequestPayload, Steer
-    from interp_runner.payload import pack_positions
-
-    hidden, sites = 16, (4, 9)
-    vec = np.arange(hidden, dtype=np.float32)
-    state = _planner(hidden, sites)
-    state.register_vectors({"v": vec.tobytes()})
-    requests = {"plain": _request(None, 3),
-                "steered": _request(RequestPayload("steered", steer=(Steer(9, PREFILL | DECODE, "v", 2.0),)), 2),
-                "captured": _request(RequestPayload("captured", capture=(Capture((4,), pack_positions([1]), False),)),
-                                     2)}
-    launches = []
-    steer, capture = state._steer, state._capture
-    state._steer = lambda x, site, eager: launches.append(("steer", site, eager)) or steer(x, site, eager)
-    state._capture = lambda site, out, extra: launches.append(("capture", site)) or capture(site, out, extra)
-
-    def step(batch: list[tuple[str, int, int]]) -> dict[int, torch.Tensor]:
-        launches.clear()
-        rows = sum(n for _, _, n in batch)
-        state.before_forward(_runner(requests, batch), rows)
-        out = {site: _applied(state, torch.ones(rows, hidden), site) for site in sites}
-        state.after_forward()
-        return out
-
-    x = torch.ones(2, hidden)  # a warm-up run: no request yet
-    assert all(torch.equal(_applied(state, x, site), x) for site in sites)
-    assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4, False), ("steer", 9, False)]
-    out = step([("plain", 0, 3)])
-    assert launches == [] and all(torch.equal(o, torch.ones(3, hidden)) for o in out.values())
-    out = step([("plain", 3, 1), ("steered", 0, 2)])
-    assert sorted(launches) == [("steer", 4, True), ("steer", 9, True)]
-    np.testing.assert_array_equal(out[9][1:].numpy(), np.ones((2, hidden)) + 2 * vec)
-    np.testing.assert_array_equal(out[9][0].numpy(), np.ones(hidden))
-    np.testing.assert_array_equal(out[4].numpy(), np.ones((3, hidden)))
-    step([("plain", 4, 1), ("captured", 0, 2)])
-    assert launches == [("capture", 4)]
-    # captured into a graph: every launch a later replay may need (the kernels themselves stand aside here: no GPU)
-    state._steer = lambda x, site, eager: launches.append(("steer", site, eager)) or x.clone()
-    state._capture = lambda site, out, extra: launches.append(("capture", site))
-    with mock.patch.object(torch.Tensor, "is_cuda", True), \
-            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
-        step([("plain", 5, 1)])
-    assert sorted(launches) == [("capture", 4), ("capture", 9), ("steer", 4, False), ("steer", 9, False)]
-
-
-def test_steps_outside_graphs_gather_every_site_s_steering_once(monkeypatch):
-    """Outside the graphs a step's first steered site gathers its rows' vectors at every site at once; each site
-    then adds its own. The values equal the per-site kernel path's bit for bit: in a planned step, in a repeated one
-    that keeps the gather, with other rows at a site (per site), and above the size limit (per site). Each step's
-    plan drops the previous step's gather."""
-    import numpy as np
-    import torch
-
-    import interp_runner_kernels as kernels
-    from interp_runner.contracts import DECODE, PREFILL, RequestPayload, Steer
-    from interp_runner.plugin import steering as steering_module
-
-    hidden, sites = 16, (4, 9)
-    rng = np.random.default_rng(0)
-    state = _planner(hidden, sites)
-    state.register_vectors({k: rng.standard_normal(hidden).astype(np.float32).tobytes() for k in "ab"})
-    requests = {"a": _request(RequestPayload("a", steer=(Steer(4, PREFILL, "a", 1.5), Steer(9, DECODE, "b", -2.0))), 3),
-                "b": _request(RequestPayload("b", steer=(Steer(9, PREFILL | DECODE, "a", 0.5),)), 2),
-                "plain": _request(None, 2)}
-    table = state.steering
-
-    def expected(x, site):
-        return kernels.steer_add(x, table.table[table.index[site]], table.row_slot)
-
-    def check(x):
-        made = []
-        for site in sites:
-            assert torch.equal(_applied(state, x, site), expected(x, site))
-            made.append(table._step_gather)
-        assert made[0] is not None and all(g is made[0] for g in made)  # one gather for the step
-
-    batch = [("a", 0, 3), ("plain", 0, 2), ("b", 0, 2)]  # prompts: prefill slots
-    state.before_forward(_runner(requests, batch), 7)
-    x = torch.from_numpy(rng.standard_normal((7, hidden)).astype(np.float32))
-    check(x)
-    assert table._step_gather is not None and table._step_gather.shape == (len(sites), 7, hidden)
-    gathered = table._step_gather
-    assert torch.equal(_applied(state, x[:5], 9), expected(x[:5], 9))  # other rows: site by site
-    assert table._step_gather is gathered
-    state.after_forward()
-    decode = [("a", 3, 1), ("plain", 2, 1), ("b", 2, 1)]  # one generated token each: decode slots
-    state.before_forward(_runner(requests, decode), 3)
-    assert table._step_gather is None  # planned afresh: the last step's gather is dropped
-    y = torch.from_numpy(rng.standard_normal((3, hidden)).astype(np.float32))
-    check(y)
-    state.after_forward()
-    monkeypatch.setattr(steering_module, "GATHER_BYTES", 0)  # too large to gather: site by site, same values
-    state.before_forward(_runner(requests, [("a", 4, 1), ("plain", 3, 1), ("b", 3, 1)]), 3)
-    table._step_gather = None
-    for site in sites:
-        assert torch.equal(_applied(state, y, site), expected(y, site))
-    assert table._step_gather is None
