@@ -98,7 +98,7 @@ main() {
       kernels) timeout -k 10 $(( budget - 5 )) $PY bench/kernels.py --json "$OUT/kernels.json" || rc=$? ;;
       bench-trace) timeout -k 10 $(( budget - 5 )) $PY bench/trace_grid.py --repeats "${TRACE_REPEATS:-5}" \
         ${TRACE_ARGS:-} --json "$OUT/${TRACE_JSON:-trace_grid}.json" || rc=$? ;;
-      startup) timeout -k 10 $(( budget - 5 )) $PY bench/run_wall.py ${WALL_ARGS:-} --dir /tmp/run-wall \
+      startup) timeout -k 10 $(( budget - 5 )) $PY bench/run_wall.py ${WALL_ARGS:-} --dir "${TMPDIR:-/tmp}" \
         --json "$OUT/${WALL_JSON:-run_wall}.json" -- ${WALL_CONFIG:-+experiment=causal_trace_full} || rc=$? ;;
       overlap) timeout -k 10 $(( budget - 5 )) $PY bench/start_overlap.py --repeats "${OVERLAP_REPEATS:-2}" \
         --json "$OUT/start_overlap.json" -- ${WALL_CONFIG:-+experiment=causal_trace_full} || rc=$? ;;

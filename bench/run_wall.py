@@ -38,6 +38,8 @@ def run_once(overrides: list[str], store: Path, log: Path) -> dict:
         row["timings"] = attrs.get("timings", {})
         row["startup"] = (attrs.get("engine") or {}).get("startup", {})
         row["dtype"] = (attrs.get("engine") or {}).get("dtype")
+    else:  # the run's own words on why, kept in the result (the log stays on the machine that ran it)
+        row["error"] = log.read_text(errors="replace").strip().splitlines()[-3:]
     return row
 
 
@@ -47,14 +49,17 @@ def main() -> None:
                     help="NAME:override,override,... (default: one variant 'default' with no overrides)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--interleave", action="store_true", help="A B A B instead of A A B B")
-    ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temporary folder)")
+    ap.add_argument("--dir", type=Path, default=None, help="a folder to make this call's own folder in (default: the system's temporary folder)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("overrides", nargs="*", help="overrides for every run (after --)")
     args = ap.parse_args()
     variants = [(v.split(":", 1)[0], [o for o in v.split(":", 1)[1].split(",") if o]) if ":" in v else (v, [])
                 for v in args.variant] or [("default", [])]
-    folder = args.dir or Path(tempfile.mkdtemp(prefix="run-wall-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    # a folder of this call's own: a store left by an earlier call, or by another tree's bench beside this one,
+    # is not this run's to replace (interp-run refuses it)
+    if args.dir:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="run-wall-", dir=args.dir))
     order = [(name, extra, i) for i in range(args.repeats) for name, extra in variants] if args.interleave \
         else [(name, extra, i) for name, extra in variants for i in range(args.repeats)]
     rows = []
@@ -67,6 +72,8 @@ def main() -> None:
               f"engine {t.get('engine_s', '-')} (compile {s.get('compile_s', '-')}, cache {s.get('compile_cache', '-')}, "
               f"graphs {s.get('graphs_s', '-')}, profile {s.get('profile_s', '-')})  run {t.get('run_s', '-')}  "
               f"store {t.get('store_s', '-')}  figures {t.get('figures_s', '-')}", flush=True)
+        for line in row.get("error", []):
+            print(f"{'':>14}{line}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"overrides": args.overrides, "cpus": os.cpu_count(), "rows": rows}, indent=1))
 
