@@ -1,8 +1,9 @@
-"""Serving overhead on a GPU: ``interp-serve`` against stock ``vllm serve`` of the same model and engine settings,
-measured by vLLM's own ``vllm bench serve``, in paired intervals (as ``bench/steer_overhead.py``): both servers run
-side by side on one GPU, idle while the other is measured; rounds alternate stock/interp in ABBA order and each
-interp interval is judged against the stock interval next to it; the table gives the median of these paired ratios
-and its distribution-free 95% interval, for the clients' figures and for the server's own TPOT (its /metrics).
+"""Serving overhead on a GPU: ``interp-serve`` against stock ``vllm serve`` of the same model, each with vLLM's own
+engine defaults (``--max-num-seqs`` gives both another), measured by vLLM's own ``vllm bench serve`` in paired
+intervals (as ``bench/steer_overhead.py``): both servers run side by side on one GPU, idle while the other is
+measured; rounds alternate stock/interp in ABBA order and each interp interval is judged against the stock interval
+next to it; the table gives the median of these paired ratios and its distribution-free 95% interval, for the
+clients' figures and for the server's own TPOT (its /metrics).
 
 Every interval runs ``LANES`` ``vllm bench serve`` clients side by side against one server, each with a quarter of
 the prompts and of ``--max-concurrency`` (64 in all), each lane a process kept for the whole run that runs vLLM's
@@ -20,8 +21,7 @@ second part gives their medians). During every interp interval the server's read
 a vector registered (POST /v1/interp/vectors) right before a streamed request that steers with it, against requests
 steered with a vector registered long before and unsteered ones, interleaved.
 
-    python bench/serve_bench.py --model smollm2_135m                       # H100: about 10 minutes
-    python bench/serve_bench.py --model llama8b-random --input-len 1024 --output-len 256 --num-prompts 400
+    python bench/serve_bench.py --model smollm2_135m            # H100: about 10 minutes; also --model llama8b-random
     python bench/serve_bench.py --conditions plain,steer100_layer0 --interp-override 'serve.sites.steer.layers=[0]' \
         --interp-override 'serve.sites.capture.layers=[0]'   # one layer's sites served: what the sites cost
 
@@ -340,9 +340,11 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="each lane's")
     ap.add_argument("--max-concurrency", type=int, default=64, help="requests in flight, all lanes together")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="each server's share")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="both servers' max_num_seqs (default: each server's own, vLLM's: 1024 on an 80 GB GPU)")
     ap.add_argument("--max-cudagraph-capture-size", type=int, default=None,
-                    help="both servers' largest CUDA graph, in tokens (vLLM's default: twice max_num_seqs, so 128 "
-                         "here); steps longer than it run outside the graphs, where every interp op is a Python call")
+                    help="both servers' largest CUDA graph, in tokens (vLLM's default: twice max_num_seqs, up to "
+                         "512); steps longer than it run outside the graphs, where every interp op is a Python call")
     ap.add_argument("--interp-override", action="append", default=[], metavar="KEY=VALUE",
                     help="a Hydra override for interp-serve only, e.g. serve.sites.steer.layers=[0] (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
@@ -374,9 +376,10 @@ def main() -> None:
         folder = model_path(args.model)
     facts = ModelFacts.from_folder(folder, 0 if random_weights else None)
     args.model_dir, args.served_name = str(folder), "served"
-    common = ["--served-model-name", "served", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-              "--max-model-len", str(args.input_len + args.output_len + 64), "--max-num-seqs", "64", "--seed", "0",
-              "--disable-uvicorn-access-log"]
+    # vLLM's flags both servers take as they are; the engine's settings interp-serve takes as config keys
+    common = ["--served-model-name", "served", "--seed", "0", "--disable-uvicorn-access-log"]
+    engine = {key: value for key, value in (("gpu-memory-utilization", args.gpu_memory_utilization), (
+        "max-model-len", args.input_len + args.output_len + 64), ("max-num-seqs", args.max_num_seqs)) if value}
     if args.max_cudagraph_capture_size is not None:
         common += ["--max-cudagraph-capture-size", str(args.max_cudagraph_capture_size)]
     work = Path(tempfile.mkdtemp(prefix="serve_bench."))
@@ -384,15 +387,15 @@ def main() -> None:
     env = {**{k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}, "VLLM_SERVER_DEV_MODE": "1"}
     # one after the other: vLLM's start measures the GPU's free memory, which the other server's start would move
     stock = start([*VLLM, "serve", str(folder), "--port", "8101", *common,
+                   *(arg for key, value in engine.items() for arg in (f"--{key}", str(value))),
                    *(["--load-format", "dummy"] if random_weights else [])], 8101, work / "stock.log", env)
     # the installed interp-serve, as a user starts it (the repository root off the path: its kernels/ folder would
     # shadow the `kernels` package transformers probes for)
     serve_main = "import sys; del sys.path[0]; from interp_runner.serve.cli import main; main()"
-    interp = start([sys.executable, "-c", serve_main, f"model.path={folder}",
-                    f"engine.max_model_len={args.input_len + args.output_len + 64}",
-                    f"engine.gpu_memory_utilization={args.gpu_memory_utilization}", "engine.enforce_eager=false",
-                    "engine.max_num_seqs=64", *(["++model.weights=seeded"] if random_weights else []),
-                    *args.interp_override, "--", "--port", "8102", *common[:2], *common[8:]],
+    interp = start([sys.executable, "-c", serve_main, f"model.path={folder}", "engine.enforce_eager=false",
+                    *(f"engine.{key.replace('-', '_')}={value}" for key, value in engine.items()),
+                    *(["++model.weights=seeded"] if random_weights else []),
+                    *args.interp_override, "--", "--port", "8102", *common],
                    8102, work / "interp.log", env)
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
     ratios = {c: {m: [] for m in PAIRED} for c in args.conditions}

@@ -23,7 +23,7 @@ from interp_runner.config import ConfigError
 from interp_runner.engine.adapter import one_token_no_text
 from interp_runner.engine.pool import EnginePool
 from interp_runner.engine.settings import EngineError, on_gpu
-from interp_runner.engine.rules import check_engine, check_plan_values
+from interp_runner.engine.rules import check_engine, check_plan_values, with_model_len
 from interp_runner.kinds.figure_workers import FigureWorkers
 from interp_runner.kinds import kind_for
 from interp_runner.kinds.base import Kind
@@ -66,6 +66,7 @@ def prepare(config: dict, base: Path | None = None) -> Prepared:
         facts = ModelFacts.from_folder(folder, weights_seed)
         check_config_hooks(cfg, layout_for(facts.architecture))
         check_engine(cfg, facts)
+        cfg = with_model_len(cfg, facts)
         tokenizer = load_tokenizer(folder, cfg.prompts.chat_template)
         rows = (lambda ids: embedding_rows(folder, ids)) if weights_seed is None else (
             lambda ids: seeded.embedding_rows(folder, weights_seed, ids))

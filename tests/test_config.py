@@ -285,6 +285,18 @@ def test_max_model_len_too_small():
     assert_problem(config, "engine.max_model_len", "16 is too small: longest prompt + sampling.max_tokens")
 
 
+def test_null_max_model_len_is_the_models_own():
+    """``engine.max_model_len: null`` (interp-serve's default) takes the model's length: the plan checks prompts
+    against it and the engine and store get the number."""
+    from interp_runner.models.facts import ModelFacts
+    from interp_runner.models.materialize import model_folder
+
+    prepared = prepare(base_config(engine={"max_model_len": None}))
+    facts = ModelFacts.from_folder(model_folder(prepared.cfg.model), None)
+    assert facts.max_model_len and prepared.cfg.engine.max_model_len == facts.max_model_len
+    assert prepare(base_config(engine={"max_model_len": 512})).cfg.engine.max_model_len == 512
+
+
 def test_unknown_model_name():
     config = {**base_config(), "model": {"name": "gpt-17"}}
     found = problems(config)

@@ -57,6 +57,18 @@ def test_global_steering_reaches_every_request_and_keys_its_kv(tiny_path):
     assert payload({"capture": {"layers": 1}}).kv == plain.kv  # reading changes no KV
 
 
+def test_engine_limits_are_vllm_serves_own_unless_set():
+    """interp-serve leaves the model's length and the concurrency to vLLM, as `vllm serve` does (which also sets the
+    largest CUDA graph); a config that sets them passes them on."""
+    from interp_runner.serve.cli import compose, prepare
+
+    args = prepare(compose(["model=tiny_random", "engine.dtype=float32"]), []).vllm_args
+    assert "--max-num-seqs" not in args and "--max-model-len" not in args
+    args = prepare(compose(["model=tiny_random", "engine.dtype=float32", "engine.max_num_seqs=8",
+                            "engine.max_model_len=512"]), []).vllm_args
+    assert args[args.index("--max-num-seqs") + 1] == "8" and args[args.index("--max-model-len") + 1] == "512"
+
+
 def test_capture_beyond_float16_is_sent_as_float32():
     from interp_runner.serve.compile import Compiled, result_json
     from interp_runner.serve.settings import CaptureRequest

@@ -298,8 +298,11 @@ class EngineConfig(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # null: torch.compile + CUDA graphs on a GPU for plans that generate text, eager otherwise (``resolved``)
     enforce_eager: bool | None = None
-    max_model_len: int = Field(2048, ge=16)
-    max_num_seqs: int = Field(64, ge=1)
+    # null: the model's own maximum, as `vllm serve` takes it (interp-serve's default)
+    max_model_len: int | None = Field(2048, ge=16)
+    # null: vLLM's default for the machine, as `vllm serve` takes it (interp-serve's default; 1024 on an 80 GB GPU,
+    # 256 elsewhere), which also sets the largest CUDA graph: twice this, up to 512 tokens
+    max_num_seqs: int | None = Field(64, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=16)
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)

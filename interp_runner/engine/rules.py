@@ -21,6 +21,7 @@ from interp_runner.compile.plan import Plan
 
 CPU_BLOCK_TOKENS = 128  # vllm/platforms/cpu.py: the block size of the CPU KV cache unless one is given
 GPU_BLOCK_TOKENS = 16  # the smallest block a CUDA attention backend uses
+VLLM_ASSUMED_MODEL_LEN = 2048  # vllm/config/model.py: the length vLLM takes where the model's config names none
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DTYPE_MAX = {"float32": float(np.finfo(np.float32).max), "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 
@@ -29,7 +30,7 @@ def check_engine(cfg: RunBase, facts: ModelFacts, gpu: bool | None = None) -> No
     """Every engine setting vLLM would refuse for this model on this machine, reported together."""
     gpu = on_gpu() if gpu is None else gpu
     problems = (_max_model_len(cfg, facts) + _tensor_parallel(cfg, facts) + _devices(cfg, gpu)
-                + _scheduler(cfg, gpu) + _kv_cache(cfg, facts, gpu))
+                + _scheduler(cfg, facts, gpu) + _kv_cache(cfg, facts, gpu))
     if cfg.engine.batch_invariant and not gpu:
         problems.append(("engine.batch_invariant", "vLLM's batch-invariant mode needs a GPU (its kernels are Triton "
                                                    "kernels) and this machine has none"))
@@ -77,7 +78,7 @@ def check_plan_values(plan: Plan, cfg: RunBase, facts: ModelFacts) -> None:
 def _max_model_len(cfg: RunBase, facts: ModelFacts) -> list:
     """``_get_and_verify_max_len``: no longer than the model's config allows, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN."""
     wanted, allowed = cfg.engine.max_model_len, facts.max_model_len
-    if allowed is None or wanted <= allowed or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") not in ("", "0"):
+    if wanted is None or allowed is None or wanted <= allowed or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") not in ("", "0"):
         return []
     return [("engine.max_model_len", f"{wanted} is longer than the model allows: {facts.max_model_len_key} = "
                                      f"{allowed} in {facts.path}/config.json")]
@@ -142,31 +143,49 @@ def _numa_nodes() -> int:
     return max(len(nodes), 1)
 
 
+def _large_gpu() -> bool:
+    """Whether the first GPU has 70 GiB or more: vLLM's larger batch defaults (``EngineArgs.get_batch_defaults``)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total >= 70 * 2**30
+    except Exception:  # no NVML: the smaller defaults
+        return False
+
+
 def _default_batched_tokens(tp: int, gpu: bool) -> int:
     """``EngineArgs.get_batch_defaults`` for the LLM class: 4096 per rank on CPUs, 8192 on GPUs (16384 on those
     with 70 GiB or more)."""
     if not gpu:
         return 4096 * tp
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        memory = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
-    except Exception:  # no NVML: the smaller default
-        return 8192
-    return 16384 if memory >= 70 * 2**30 else 8192
+    return 16384 if _large_gpu() else 8192
 
 
-def _scheduler(cfg: RunBase, gpu: bool) -> list:
+def _default_max_num_seqs(tp: int, gpu: bool) -> int:
+    """The largest ``max_num_seqs`` vLLM picks by default here (``get_batch_defaults``): 256 per rank on CPUs, 256
+    on GPUs (1024 on those with 70 GiB or more)."""
+    if not gpu:
+        return 256 * tp
+    return 1024 if _large_gpu() else 256
+
+
+def _scheduler(cfg: RunBase, facts: ModelFacts, gpu: bool) -> list:
     """``SchedulerConfig.verify_max_model_len``: a step holds at least one token of each sequence it runs
     (chunked prefill, on for these models, lets a step hold less than a whole prompt)."""
     e = cfg.engine
+    if e.max_num_seqs is None:  # vLLM's defaults agree with each other; a batch size set beside them may not
+        seqs = _default_max_num_seqs(e.tensor_parallel_size, gpu)
+        if e.max_num_batched_tokens is not None and e.max_num_batched_tokens < seqs:
+            return [("engine.max_num_batched_tokens", f"{e.max_num_batched_tokens} is less than vLLM's default "
+                                                      f"max_num_seqs here ({seqs}): set engine.max_num_seqs too")]
+        return []
     if e.max_num_batched_tokens is not None:
         if e.max_num_batched_tokens < e.max_num_seqs:
             return [("engine.max_num_batched_tokens", f"{e.max_num_batched_tokens} is less than engine.max_num_seqs "
                                                       f"= {e.max_num_seqs}")]
         return []
-    tokens = min(e.max_num_seqs * e.max_model_len, _default_batched_tokens(e.tensor_parallel_size, gpu))
+    tokens = min(e.max_num_seqs * model_len(cfg, facts), _default_batched_tokens(e.tensor_parallel_size, gpu))
     if tokens < e.max_num_seqs:
         return [("engine.max_num_seqs", f"{e.max_num_seqs} is more than vLLM's default max_num_batched_tokens here "
                                         f"({tokens}): lower it or set engine.max_num_batched_tokens")]
@@ -183,9 +202,24 @@ def _kv_cache(cfg: RunBase, facts: ModelFacts, gpu: bool) -> list:
     block = e.kv_block_size(gpu) or (GPU_BLOCK_TOKENS if gpu else CPU_BLOCK_TOKENS)
     kv_heads = max(1, facts.num_kv_heads // e.tensor_parallel_size)
     per_token = 2 * facts.num_layers * kv_heads * facts.head_dim * DTYPE_BYTES[model_dtype(cfg, facts)]
-    needed = math.ceil(e.max_model_len / block) * block * per_token
+    length = model_len(cfg, facts)
+    needed = math.ceil(length / block) * block * per_token
     if needed <= budget:
         return []
     key = "engine.kv_cache_memory_bytes" if e.kv_cache_memory_bytes is not None else "engine.max_model_len"
-    return [(key, f"one sequence of engine.max_model_len = {e.max_model_len} tokens needs {needed} bytes of KV "
+    return [(key, f"one sequence of engine.max_model_len = {length} tokens needs {needed} bytes of KV "
                   f"cache per rank ({per_token} a token), more than the {budget} there are")]
+
+
+def model_len(cfg: RunBase, facts: ModelFacts) -> int:
+    """The longest sequence the engine takes: ``engine.max_model_len``, or where it is null the model's own maximum
+    (vLLM's assumption, 2048, where the model's config names none)."""
+    return cfg.engine.max_model_len or facts.max_model_len or VLLM_ASSUMED_MODEL_LEN
+
+
+def with_model_len(cfg: RunBase, facts: ModelFacts) -> RunBase:
+    """``cfg`` with ``engine.max_model_len`` decided (``model_len``): what a plan checks its prompts against, the
+    engine takes and the store records."""
+    if cfg.engine.max_model_len is not None:
+        return cfg
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"max_model_len": model_len(cfg, facts)})})

@@ -50,12 +50,15 @@ def _sections():
 
 def engine_flags(cfg, facts, gpu: bool) -> list[str]:
     e = cfg.engine
-    flags = ["--dtype", e.dtype, "--max-model-len", str(e.max_model_len), "--max-num-seqs", str(e.max_num_seqs),
-             "--tensor-parallel-size", str(e.tensor_parallel_size), "--seed", str(e.seed),
+    flags = ["--dtype", e.dtype, "--tensor-parallel-size", str(e.tensor_parallel_size), "--seed", str(e.seed),
              "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
              "--served-model-name", cfg.model.name]
     if e.eager(gpu):
         flags.append("--enforce-eager")
+    if e.max_model_len is not None:  # else the model's own, as `vllm serve` takes it
+        flags += ["--max-model-len", str(e.max_model_len)]
+    if e.max_num_seqs is not None:  # else vLLM's default for this machine
+        flags += ["--max-num-seqs", str(e.max_num_seqs)]
     if e.max_num_batched_tokens is not None:
         flags += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
     if e.block_size is not None:
