@@ -81,3 +81,36 @@ def test_requests_overflowing_in_graph_replayed_decode_steps_are_flagged_and_no_
             assert not overflows[: len(ids)].any() and overflows[len(ids):].all()
         else:
             assert overflows.all()
+
+
+def test_a_read_back_copies_flags_without_waiting_for_a_step_queued_after_them():
+    """A request released by the read-back itself (its results asked for before the runner's next step dropped it),
+    while the engine's next step is still running on the device: its flag comes back at once, and its slot is
+    zeroed only once that step has ended, before the slot's next owner."""
+    import time
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from interp_runner.plugin.nonfinite import ResultFlags
+    from interp_runner.plugin.staging import PinnedRing
+
+    device = torch.device("cuda")
+    flags = ResultFlags(32, device, PinnedRing.for_device(device), True)
+    bad, good = NS(rid="bad", cells=None, flag_slot=0), NS(rid="good", cells=None, flag_slot=0)
+    flags.acquire(bad)
+    flags.acquire(good)
+    flags.plan([bad, good], np.array([0, 1, 2]), np.array([0, 0]), 2, 2, None)
+    flags.flag_rows(torch.tensor([True, False], device=device))
+    slot = bad.flag_slot
+    torch.cuda.synchronize()  # the requests' last step has ended, as their outputs reached the host
+    torch.cuda._sleep(2_000_000_000)  # the next step, queued on the engine's stream: about a second
+    flags.release(bad)
+    flags.release(good)
+    t0 = time.perf_counter()
+    got = flags.collect(["bad", "good"])
+    waited = time.perf_counter() - t0
+    assert got == {"bad": True, "good": False}
+    assert waited < 0.1, f"the read-back waited {waited:.3f} s for the step queued after the requests"
+    torch.cuda.synchronize()
+    assert int(flags.flags[slot]) == 0  # zeroed after that step, on the device

@@ -15,7 +15,9 @@ flag slot: fixed buffers and shapes, no host sync, inside compiled graphs and CU
 A request holds one slot from admission to release; a packed request one for its shared prefix and one per cell (a
 cell is flagged by either). At release its slots' flags are copied out and zeroed for their next owner, before any
 further step; the copy goes on to pinned host memory at once, behind an event, so reading it with the request's
-results (``collect``) waits for that copy alone, not for the steps queued after it.
+results (``collect``) waits for that copy alone, not for the steps queued after it. A request released by the
+read-back itself (its results asked for before the runner's next step dropped it) has its copy made on a side
+stream, which the steps queued meanwhile do not hold up.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ResultFlags:
         self.flagged: dict[str, bool] = {}  # read back, not yet collected
         self._staging = staging
         self._is_result_rank = is_result_rank
+        self._side: torch.cuda.Stream | None = None  # a read-back's copies (``flush``), made on first use
 
     # -- the op -------------------------------------------------------------------------------------
     def flag_rows(self, bad: torch.Tensor) -> None:
@@ -72,27 +75,54 @@ class ResultFlags:
         self._free.append(plan.flag_slot)
         plan.flag_slot, plan.cell_flag_slots = 0, None
 
-    def flush(self) -> None:
-        """Copy the released slots' flags out and zero them (queued on the device before the next step)."""
+    def flush(self, between_steps: bool = False) -> None:
+        """Copy the released slots' flags out and zero them (queued on the device before the next step).
+
+        ``between_steps``: called by a read-back, not by a step. The released requests' steps have then all ended on
+        the device (their outputs reached the host), so on a GPU the copy goes on a stream of its own and waits for
+        none of the steps queued since (an engine scheduling ahead has the next one in flight); only the zeroing
+        waits for them, on the device, so that the engine's host never stops for it."""
         if not self._released:
             return
-        index = self._staging.upload(np.array(self._released, dtype=np.int64))
-        if self._is_result_rank:
-            picked = self.flags.index_select(0, index)
-            on_device = picked.is_cuda
-            host = torch.empty(picked.shape, dtype=picked.dtype, device="cpu", pin_memory=on_device)
-            host.copy_(picked, non_blocking=on_device)
-            copied = None
-            if on_device:
-                copied = torch.cuda.Event()
-                copied.record()
-            self._held.append((host, copied, self._entries))
+        released = np.array(self._released, dtype=np.int64)
+        if between_steps and self.flags.is_cuda:
+            index = self._copy_aside(released)
+        else:
+            index = self._staging.upload(released)
+            if self._is_result_rank:
+                picked = self.flags.index_select(0, index)
+                on_device = picked.is_cuda
+                host = torch.empty(picked.shape, dtype=picked.dtype, device="cpu", pin_memory=on_device)
+                host.copy_(picked, non_blocking=on_device)
+                copied = None
+                if on_device:
+                    copied = torch.cuda.Event()
+                    copied.record()
+                self._held.append((host, copied, self._entries))
         self.flags.index_fill_(0, index, 0)
         self._released, self._entries = [], []
 
+    def _copy_aside(self, released: np.ndarray) -> torch.Tensor:
+        """``flush``'s copy on the side stream; returns the slots' index, usable on the current stream after it."""
+        main = torch.cuda.current_stream(self.flags.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.flags.device)
+        with torch.cuda.stream(self._side):
+            index = torch.from_numpy(released).pin_memory().to(self.flags.device, non_blocking=True)
+            if self._is_result_rank:
+                picked = self.flags.index_select(0, index)
+                host = torch.empty(picked.shape, dtype=picked.dtype, device="cpu", pin_memory=True)
+                host.copy_(picked, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._side)
+                self._held.append((host, copied, self._entries))
+        main.wait_stream(self._side)  # the zeroing after the copy, on the device
+        index.record_stream(main)
+        return index
+
     def collect(self, rids) -> dict[str, bool]:
         """Whether each of ``rids`` (released) was computed through a non-finite value."""
-        self.flush()
+        self.flush(between_steps=True)
         held, self._held = self._held, []
         for host, copied, entries in held:
             if copied is not None:
