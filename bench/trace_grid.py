@@ -293,9 +293,13 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="one more run per length under the profilers")
     ap.add_argument("--timeline", action="store_true", help="one more run per length with its phases timed")
     ap.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "interp-bench"))
+    ap.add_argument("--blocking-sync", action="store_true", help="GPU waits sleep, not spin (bench/cuda_sync.py)")
     ap.add_argument("--json", default="", help="write all numbers here")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.blocking_sync:  # before anything starts CUDA
+        import cuda_sync
+        cuda_sync.use_blocking_sync()
 
     import numpy as np
     import torch
