@@ -199,7 +199,8 @@ def test_ranks_that_applied_different_interventions_fail_the_run(runner_engine):
     before = tiny_engine.check_ranks()[0]
     run_config(tiny_engine, config(steering=steering))
     after = tiny_engine.check_ranks()[0]
-    assert after["digest"] != before["digest"] and after["steps"] > before["steps"]
+    # one rank has nothing to compare: it counts the steps that applied something and folds nothing
+    assert after["steps"] > before["steps"] and after["digest"] == before["digest"]
 
     class TwoRanks:  # what a diverged second rank would report
         def collective_rpc(self, method, args=()):

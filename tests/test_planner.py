@@ -154,15 +154,13 @@ def test_finished_requests_free_their_bank_rows_before_the_runner_drops_them():
     from unittest import mock
 
     import numpy as np
-    import torch
     import vllm.distributed
 
     from interp_runner.contracts import Keep, KeepGroup, RequestPayload
     from interp_runner.payload import pack_positions, ref_key
     from interp_runner.plugin import runtime
 
-    cfg = NS(model_config=NS(hf_text_config=NS(hidden_size=4), dtype=torch.float32),
-             scheduler_config=NS(max_num_batched_tokens=64, max_num_seqs=8))
+    cfg = stand_in.engine_config(4)
     with mock.patch.object(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 0):
         state = runtime.InterpState(cfg, {"plugin": "test", "steer_sites": [], "capture_sites": [4],
                                           "patch_sites": [4], "bank_rows": 4})
@@ -277,8 +275,7 @@ def test_patch_rows_follow_the_step_layout_and_a_later_entry_for_a_site_and_posi
     from interp_runner.payload import pack_positions
     from interp_runner.plugin import runtime
 
-    cfg = NS(model_config=NS(hf_text_config=NS(hidden_size=4), dtype=torch.float32),
-             scheduler_config=NS(max_num_batched_tokens=64, max_num_seqs=8))
+    cfg = stand_in.engine_config(4)
     with mock.patch.object(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 0):
         state = runtime.InterpState(cfg, {"plugin": "test", "steer_sites": [], "capture_sites": [],
                                           "patch_sites": [4, 9], "bank_rows": 8})
@@ -356,12 +353,14 @@ def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_
     kept = KeptKV(3, layers, caches[0][0].numel(), block, torch.float32, cpu, PinnedRing.for_device(cpu),
                   lambda *a: None)
     assert kept.reserve("run", 6) and not kept.reserve("run", 6)  # kept once
-    assert kept.rows("run", 0, 1) is None  # nothing computed yet
+    assert kept.kept_from("run", 0)[0] == 0  # nothing computed yet
     plan = RequestPlan(rid="r", prompt_len=6, kv_keep="run")
     kept.plan_out(view, [plan], np.array([0, 6]), np.array([0]))  # prompt positions 0..5 in one step
     kept.after_forward()
-    rows = kept.rows("run", 0, 6)
-    assert len(rows) == 2 and kept.rows("run", 0, 7) is None
+    end, rows = kept.kept_from("run", 0)
+    assert end == 6 and len(rows) == 2  # positions 0..5, blocks 4 and 6 (none beyond the prompt)
+    end, later = kept.kept_from("run", 4)  # from the second block on
+    assert end == 6 and later.tolist() == rows[1:].tolist()
     before = [c.clone() for c in caches]
     kept.copy_in(view, torch.tensor([0 * block + 1, 2 * block]), torch.from_numpy(rows))  # into blocks 0 and 2
     for c, old in zip(caches, before):
@@ -372,6 +371,6 @@ def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_
     kept.use("run")  # a packed request's cells reuse it
     kept.finish(("run",), writer=True)
     kept.release([kv_key("run")])
-    assert kept.rows("run", 0, 6) is not None  # still in use
+    assert kept.kept_from("run", 0)[0] == 6  # still in use
     kept.finish(("run",))
-    assert kept.rows("run", 0, 6) is None and kept.reserve("other", 8)
+    assert kept.kept_from("run", 0)[0] == 0 and kept.reserve("other", 8)

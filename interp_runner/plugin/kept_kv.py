@@ -80,13 +80,15 @@ class KeptKV:
         self.keeping += 1
         return True
 
-    def rows(self, run: str, lo: int, hi: int) -> np.ndarray | None:
-        """The rows of the blocks of a run's positions ``lo .. hi - 1`` (``lo`` at a block boundary), or None
-        unless each position's KV is written."""
+    def kept_from(self, run: str, lo: int) -> tuple[int, np.ndarray]:
+        """From position ``lo`` (at a block boundary) on: the end of the run's positions whose KV is written without
+        a gap (``lo`` where none is), and the rows of the run's blocks from ``lo``'s on (positions ``lo .. hi - 1``
+        take the first ``ceil(hi / block_size) - lo // block_size`` of them)."""
         written = self._written.get(run)
-        if written is None or hi > len(written) or not written[lo:hi].all():
-            return None
-        return self._rows[run][lo // self.block_size : -(-hi // self.block_size)]
+        if written is None or lo >= len(written):
+            return lo, np.zeros(0, dtype=np.int64)
+        gaps = np.flatnonzero(~written[lo:])
+        return lo + (int(gaps[0]) if len(gaps) else len(written) - lo), self._rows[run][lo // self.block_size :]
 
     def use(self, run: str) -> None:
         self._users[run] = self._users.get(run, 0) + 1

@@ -115,7 +115,7 @@ class InterpState:
         self.max_rows = max_rows = max(sched.max_num_batched_tokens, sched.max_num_seqs) + 1024
 
         self.staging = staging = PinnedRing.for_device(device)
-        self.rank_checksum = RankChecksum()
+        self.rank_checksum = RankChecksum(vllm_config.parallel_config.world_size)
         fold = self._fold = self.rank_checksum.fold
         self.steering = SteeringTable(spec.steer_sites, hidden_size, dtype, device, max_rows,
                                       1 + 2 * sched.max_num_seqs, staging, fold)

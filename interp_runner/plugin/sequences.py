@@ -91,21 +91,28 @@ class PackedSequences:
         cells, kept = plan.cells, self._kept_kv
         first = np.full(len(reuse), cells.prefix, dtype=np.int64)
         table = np.zeros((len(reuse), cells.stride // kept.block_size), dtype=np.int64)
-        runs: dict[str, None] = {}
+        by_run: dict[str, list[int]] = {}
         for k, entry in enumerate(reuse):
-            if entry is None:
+            if entry is not None:
+                by_run.setdefault(entry.run, []).append(k)
+        runs: dict[str, int] = {}  # run -> its first cell that reuses it
+        cols = np.arange(table.shape[1])
+        for run, ks in by_run.items():
+            ks = np.array(ks)
+            position = np.minimum([reuse[k].position for k in ks], cells.prefix + cells.length - 1)
+            kept_to, rows = kept.kept_from(run, cells.prefix)
+            ok = (position > cells.prefix) & (position <= kept_to)
+            if not ok.any():
                 continue
-            run, position = entry.run, min(entry.position, cells.prefix + cells.length - 1)
-            rows = kept.rows(run, cells.prefix, position) if position > cells.prefix else None
-            if rows is None:
-                continue
-            first[k] = position
-            table[k, : len(rows)] = rows
-            runs.setdefault(run)
+            ks, position = ks[ok], position[ok]
+            first[ks] = position
+            blocks = -(-position // kept.block_size) - cells.prefix // kept.block_size
+            table[ks] = np.where(cols < blocks[:, None], rows[np.minimum(cols, len(rows) - 1)], 0)
+            runs[run] = int(ks[0])
         if not runs:
             return
         cells.reuse_from, cells.reuse_rows = first, table
-        plan.kv_runs = tuple(runs)
+        plan.kv_runs = tuple(sorted(runs, key=runs.get))
         for run in runs:
             kept.use(run)
         self._fold(b"reuse", first, table)

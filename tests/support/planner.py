@@ -6,16 +6,22 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 
+def engine_config(hidden: int) -> NS:
+    """The parts of vLLM's config the planner reads: a rank of two, so that its checksum folds what it applies."""
+    import torch
+
+    return NS(model_config=NS(hf_text_config=NS(hidden_size=hidden), dtype=torch.float32),
+              scheduler_config=NS(max_num_batched_tokens=64, max_num_seqs=8), parallel_config=NS(world_size=2))
+
+
 def planner(hidden=16, sites=(4, 9)):
     from unittest import mock
 
-    import torch
     import vllm.distributed
 
     from interp_runner.plugin import runtime
 
-    cfg = NS(model_config=NS(hf_text_config=NS(hidden_size=hidden), dtype=torch.float32),
-             scheduler_config=NS(max_num_batched_tokens=64, max_num_seqs=8))
+    cfg = engine_config(hidden)
     with mock.patch.object(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 0):
         return runtime.InterpState(cfg, {"plugin": "test", "steer_sites": list(sites), "capture_sites": [sites[0]]})
 
