@@ -26,6 +26,9 @@ import numpy as np
 import torch
 
 
+Entries = tuple[list[str], np.ndarray, np.ndarray]  # released requests: rids, own slot and cell slot indices
+
+
 class ResultFlags:
     def __init__(self, max_rows: int, device, staging, is_result_rank: bool):
         self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
@@ -34,9 +37,13 @@ class ResultFlags:
         self._free = list(range(num_slots - 1, 0, -1))
         self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
         self._released: list[int] = []  # slots released since the last flush
-        self._entries: list[tuple[str, list[int]]] = []  # their requests: (rid, indices into ``_released``)
-        # copied out (host values, the event of their copy or None, their requests), not yet read
-        self._held: list[tuple[torch.Tensor, torch.cuda.Event | None, list[tuple[str, list[int]]]]] = []
+        # their requests (and cells): rid, then the indices into ``_released`` of its own slot and of its cell's
+        # (a request that is not packed: its own again); flagged where either slot is
+        self._rids: list[str] = []
+        self._own: list[int] = []
+        self._cell: list[int] = []
+        # copied out (host values, the event of their copy or None, their requests as above), not yet read
+        self._held: list[tuple[torch.Tensor, torch.cuda.Event | None, Entries]] = []
         self.flagged: dict[str, bool] = {}  # read back, not yet collected
         self._staging = staging
         self._is_result_rank = is_result_rank
@@ -57,7 +64,12 @@ class ResultFlags:
     def acquire(self, plan) -> None:
         plan.flag_slot = self._take()
         if plan.cells is not None:
-            plan.cell_flag_slots = np.array([self._take() for _ in plan.cells.rids], dtype=np.int64)
+            n = len(plan.cells.rids)
+            if len(self._free) < n:
+                raise RuntimeError("interp: every result flag slot is in use")
+            cut = len(self._free) - n
+            plan.cell_flag_slots = np.array(self._free[cut:][::-1], dtype=np.int64)  # as n pops would take them
+            del self._free[cut:]
 
     def release(self, plan) -> None:
         """The plan's slots are free again; their flags are copied out at the next ``flush``."""
@@ -66,10 +78,14 @@ class ResultFlags:
         at = len(self._released)
         self._released.append(plan.flag_slot)
         if plan.cells is None:
-            self._entries.append((plan.rid, [at]))
+            self._rids.append(plan.rid)
+            self._own.append(at)
+            self._cell.append(at)
         else:
-            for k, rid in enumerate(plan.cells.rids):
-                self._entries.append((rid, [at, at + 1 + k]))
+            n = len(plan.cells.rids)
+            self._rids += plan.cells.rids
+            self._own += [at] * n
+            self._cell += range(at + 1, at + 1 + n)
             self._released += plan.cell_flag_slots.tolist()
             self._free += plan.cell_flag_slots.tolist()
         self._free.append(plan.flag_slot)
@@ -98,9 +114,13 @@ class ResultFlags:
                 if on_device:
                     copied = torch.cuda.Event()
                     copied.record()
-                self._held.append((host, copied, self._entries))
+                self._held.append((host, copied, self._taken()))
         self.flags.index_fill_(0, index, 0)
-        self._released, self._entries = [], []
+        self._released = []
+        self._rids, self._own, self._cell = [], [], []
+
+    def _taken(self) -> Entries:
+        return self._rids, np.array(self._own, dtype=np.int64), np.array(self._cell, dtype=np.int64)
 
     def _copy_aside(self, released: np.ndarray) -> torch.Tensor:
         """``flush``'s copy on the side stream; returns the slots' index, usable on the current stream after it."""
@@ -115,7 +135,7 @@ class ResultFlags:
                 host.copy_(picked, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(self._side)
-                self._held.append((host, copied, self._entries))
+                self._held.append((host, copied, self._taken()))
         main.wait_stream(self._side)  # the zeroing after the copy, on the device
         index.record_stream(main)
         return index
@@ -124,12 +144,11 @@ class ResultFlags:
         """Whether each of ``rids`` (released) was computed through a non-finite value."""
         self.flush(between_steps=True)
         held, self._held = self._held, []
-        for host, copied, entries in held:
+        for host, copied, (released, own, cell) in held:
             if copied is not None:
                 copied.synchronize()  # this copy only: the steps queued after it may still run
-            values = host.numpy()
-            for rid, at in entries:
-                self.flagged[rid] = bool(values[at].any())
+            values = host.numpy() != 0
+            self.flagged.update(zip(released, (values[own] | values[cell]).tolist()))
         return {rid: self.flagged.pop(rid, False) for rid in rids}
 
     # -- per step -----------------------------------------------------------------------------------
