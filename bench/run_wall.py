@@ -49,7 +49,8 @@ def main() -> None:
                     help="NAME:override,override,... (default: one variant 'default' with no overrides)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--interleave", action="store_true", help="A B A B instead of A A B B")
-    ap.add_argument("--dir", type=Path, default=None, help="a folder to make this call's own folder in (default: the system's temporary folder)")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="a folder to make this call's own folder in (default: the system's temporary folder)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("overrides", nargs="*", help="overrides for every run (after --)")
     args = ap.parse_args()

@@ -378,8 +378,8 @@ def main() -> None:
     args.model_dir, args.served_name = str(folder), "served"
     # vLLM's flags both servers take as they are; the engine's settings interp-serve takes as config keys
     common = ["--served-model-name", "served", "--seed", "0", "--disable-uvicorn-access-log"]
-    engine = {key: value for key, value in (("gpu-memory-utilization", args.gpu_memory_utilization), (
-        "max-model-len", args.input_len + args.output_len + 64), ("max-num-seqs", args.max_num_seqs)) if value}
+    engine = {"gpu-memory-utilization": args.gpu_memory_utilization, "max-model-len": args.input_len + args.output_len
+              + 64, **({"max-num-seqs": args.max_num_seqs} if args.max_num_seqs is not None else {})}
     if args.max_cudagraph_capture_size is not None:
         common += ["--max-cudagraph-capture-size", str(args.max_cudagraph_capture_size)]
     work = Path(tempfile.mkdtemp(prefix="serve_bench."))

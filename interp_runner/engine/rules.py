@@ -78,7 +78,8 @@ def check_plan_values(plan: Plan, cfg: RunBase, facts: ModelFacts) -> None:
 def _max_model_len(cfg: RunBase, facts: ModelFacts) -> list:
     """``_get_and_verify_max_len``: no longer than the model's config allows, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN."""
     wanted, allowed = cfg.engine.max_model_len, facts.max_model_len
-    if wanted is None or allowed is None or wanted <= allowed or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") not in ("", "0"):
+    if wanted is None or allowed is None or wanted <= allowed \
+            or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") not in ("", "0"):
         return []
     return [("engine.max_model_len", f"{wanted} is longer than the model allows: {facts.max_model_len_key} = "
                                      f"{allowed} in {facts.path}/config.json")]

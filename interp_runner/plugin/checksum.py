@@ -15,7 +15,7 @@ class RankChecksum:
 
     __slots__ = ("_digest", "steps", "fold")
 
-    def __init__(self, ranks: int = 2) -> None:
+    def __init__(self, ranks: int) -> None:
         self._digest = hashlib.blake2b(digest_size=16)
         self.steps = 0  # steps that applied anything
         self.fold = self._fold if ranks > 1 else _ignore

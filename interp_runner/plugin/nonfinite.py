@@ -101,44 +101,35 @@ class ResultFlags:
         if not self._released:
             return
         released = np.array(self._released, dtype=np.int64)
-        if between_steps and self.flags.is_cuda:
-            index = self._copy_aside(released)
-        else:
-            index = self._staging.upload(released)
+        on_device = self.flags.is_cuda
+        main = torch.cuda.current_stream(self.flags.device) if on_device else None
+        aside = self._side_stream() if between_steps and on_device else None
+        with torch.cuda.stream(aside):  # no-op without a side stream
+            if aside is None:
+                index = self._staging.upload(released)
+            else:
+                index = torch.from_numpy(released).pin_memory().to(self.flags.device, non_blocking=True)
             if self._is_result_rank:
                 picked = self.flags.index_select(0, index)
-                on_device = picked.is_cuda
                 host = torch.empty(picked.shape, dtype=picked.dtype, device="cpu", pin_memory=on_device)
                 host.copy_(picked, non_blocking=on_device)
                 copied = None
                 if on_device:
                     copied = torch.cuda.Event()
                     copied.record()
-                self._held.append((host, copied, self._taken()))
+                released_rids = self._rids, np.array(self._own, dtype=np.int64), np.array(self._cell, dtype=np.int64)
+                self._held.append((host, copied, released_rids))
+        if aside is not None:
+            main.wait_stream(aside)  # the zeroing after the copy, on the device
+            index.record_stream(main)
         self.flags.index_fill_(0, index, 0)
         self._released = []
         self._rids, self._own, self._cell = [], [], []
 
-    def _taken(self) -> Entries:
-        return self._rids, np.array(self._own, dtype=np.int64), np.array(self._cell, dtype=np.int64)
-
-    def _copy_aside(self, released: np.ndarray) -> torch.Tensor:
-        """``flush``'s copy on the side stream; returns the slots' index, usable on the current stream after it."""
-        main = torch.cuda.current_stream(self.flags.device)
+    def _side_stream(self) -> torch.cuda.Stream:
         if self._side is None:
             self._side = torch.cuda.Stream(self.flags.device)
-        with torch.cuda.stream(self._side):
-            index = torch.from_numpy(released).pin_memory().to(self.flags.device, non_blocking=True)
-            if self._is_result_rank:
-                picked = self.flags.index_select(0, index)
-                host = torch.empty(picked.shape, dtype=picked.dtype, device="cpu", pin_memory=True)
-                host.copy_(picked, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(self._side)
-                self._held.append((host, copied, self._taken()))
-        main.wait_stream(self._side)  # the zeroing after the copy, on the device
-        index.record_stream(main)
-        return index
+        return self._side
 
     def collect(self, rids) -> dict[str, bool]:
         """Whether each of ``rids`` (released) was computed through a non-finite value."""
