@@ -374,3 +374,10 @@ def test_kept_kv_copies_whole_blocks_out_and_in_and_frees_them_after_their_last_
     assert kept.kept_from("run", 0)[0] == 6  # still in use
     kept.finish(("run",))
     assert kept.kept_from("run", 0)[0] == 0 and kept.reserve("other", 8)
+    # written with a gap (positions 0..2 in one step, 6..7 in a later one): kept up to the gap only
+    other = RequestPlan(rid="o", prompt_len=8, kv_keep="other")
+    for first, count in ((0, 3), (6, 2)):
+        kept.plan_out(view, [other], np.array([0, count]), np.array([first]))
+        kept.after_forward()
+    assert kept.kept_from("other", 0)[0] == 3 and kept.kept_from("other", 4)[0] == 4
+    assert kept.kept_from("missing", 0)[0] == 0 and kept.kept_from("other", 8)[0] == 8
