@@ -3,7 +3,9 @@ engine defaults (``--max-num-seqs`` gives both another), measured by vLLM's own 
 intervals (as ``bench/steer_overhead.py``): both servers run side by side on one GPU, idle while the other is
 measured; rounds alternate stock/interp in ABBA order and each interp interval is judged against the stock interval
 next to it; the table gives the median of these paired ratios and its distribution-free 95% interval, for the
-clients' figures and for the server's own TPOT (its /metrics).
+clients' figures and for the server's own TPOT (its /metrics). The servers start one after the other (vLLM sizes a
+KV cache from the GPU's free memory), or at once with ``--kv-cache-gib`` (each cache of that size): a shorter start
+leaves the stage's budget more rounds. Starting, the probes and the response sizes live in ``bench/serve_probes.py``.
 
 Every interval runs ``LANES`` ``vllm bench serve`` clients side by side against one server, each with a quarter of
 the prompts and of ``--max-concurrency`` (64 in all), each lane a process kept for the whole run that runs vLLM's
@@ -49,6 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from paired import median_interval  # noqa: E402  (the same interval as the offline bench)
 from random_llama import SHAPE_KEYS, llama_shape, random_llama  # noqa: E402
+from serve_probes import capture_body, fresh_vector_ttft, launch, response_bytes, wait_up  # noqa: E402
 
 RANDOM_MODEL = "llama8b-random"  # a random-weight model of ``LLAMA8B`` (or ``--llama-shape``), no weight files
 
@@ -94,30 +97,10 @@ for line in sys.stdin:
 """)
 
 
-def start(cmd: list[str], port: int, log: Path, env: dict) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{cmd[0]} exited {proc.returncode}; see {log}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise SystemExit(f"{cmd[0]} did not start; see {log}")
-
-
 def steer_body(seed: int, layer: int | str = "all") -> dict:
     return {"interp": {"steering": {"base": {"post_block": {"layer": layer, "vector": {"random": {"seed": seed,
                                                                                                    "norm": 1.0}},
                                                             "scale": 0.5}}}}}
-
-
-def capture_body(layers: int) -> dict:
-    chosen = sorted({0, layers // 3, 2 * layers // 3, layers - 1})
-    return {"interp": {"capture": {"layers": chosen, "positions": "last_prompt"}}}
 
 
 class Lane:
@@ -273,61 +256,6 @@ def server_figures(before: dict, after: dict, wall_s: float) -> dict[str, float 
     return out
 
 
-def response_bytes(port: int, layers: int) -> dict:
-    """Bytes of one completion's response body, plain and with ``capture4``'s capture."""
-    sizes = {}
-    for name, extra in (("plain", {}), ("capture4", capture_body(layers))):
-        body = json.dumps({"model": "served", "prompt": "The history of bread begins", "max_tokens": 16,
-                           "temperature": 0, **extra}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
-        try:
-            sizes[name] = len(urllib.request.urlopen(request, timeout=60).read())
-        except urllib.error.HTTPError as e:  # capture4's layers outside a narrowed serve.sites
-            sizes[name] = f"refused: HTTP {e.code}"
-    return sizes
-
-
-def fresh_vector_ttft(port: int, name: str, hidden: int, repeats: int) -> dict:
-    """TTFT (ms) of a streamed one-token request steered with a vector registered just before it, with one
-    registered long before, and unsteered: interleaved, ``repeats`` of each, after one untimed round."""
-    import numpy as np
-    import openai
-
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    rng = np.random.default_rng(0)
-
-    def register(vector_name: str) -> None:
-        body = json.dumps({"name": vector_name, "values": rng.standard_normal(hidden).tolist(),
-                           "replace": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/interp/vectors", data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(request, timeout=60).read()
-
-    def ttft(vector_name: str | None) -> float:
-        extra = None if vector_name is None else {"interp": {"steering": {"base": {"post_block": {
-            "layer": 0, "vector": vector_name}}}}}
-        t0 = time.perf_counter()
-        stream = client.completions.create(model=name, prompt="The history of bread begins", max_tokens=1,
-                                           stream=True, extra_body=extra)
-        next(iter(stream))
-        elapsed = time.perf_counter() - t0
-        stream.close()
-        return 1e3 * elapsed
-
-    register("old")
-    register("warm")  # one untimed round: the server's first streamed requests are not a fresh vector's cost
-    for vector_name in ("warm", "old", None):
-        ttft(vector_name)
-    times: dict[str, list[float]] = {"fresh": [], "registered": [], "unsteered": []}
-    for i in range(repeats):
-        register(f"fresh{i}")
-        times["fresh"].append(ttft(f"fresh{i}"))
-        times["registered"].append(ttft("old"))
-        times["unsteered"].append(ttft(None))
-    return {k: {"median_ms": statistics.median(v), "max_ms": max(v)} for k, v in times.items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2_135m",
@@ -340,6 +268,9 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="each lane's")
     ap.add_argument("--max-concurrency", type=int, default=64, help="requests in flight, all lanes together")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="each server's share")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="each server's KV cache, fixed: the two servers then start at once (default: sized by "
+                         "vLLM from the free memory, one server after the other)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="both servers' max_num_seqs (default: each server's own, vLLM's: 1024 on an 80 GB GPU)")
     ap.add_argument("--max-cudagraph-capture-size", type=int, default=None,
@@ -379,24 +310,31 @@ def main() -> None:
     # vLLM's flags both servers take as they are; the engine's settings interp-serve takes as config keys
     common = ["--served-model-name", "served", "--seed", "0", "--disable-uvicorn-access-log"]
     engine = {"gpu-memory-utilization": args.gpu_memory_utilization, "max-model-len": args.input_len + args.output_len
-              + 64, **({"max-num-seqs": args.max_num_seqs} if args.max_num_seqs is not None else {})}
+              + 64, **({"max-num-seqs": args.max_num_seqs} if args.max_num_seqs is not None else {}),
+              **({"kv-cache-memory-bytes": int(args.kv_cache_gib * 2**30)} if args.kv_cache_gib is not None else {})}
     if args.max_cudagraph_capture_size is not None:
         common += ["--max-cudagraph-capture-size", str(args.max_cudagraph_capture_size)]
     work = Path(tempfile.mkdtemp(prefix="serve_bench."))
     # both servers with vLLM's dev routes (the prefix-cache reset before each interval)
     env = {**{k: v for k, v in os.environ.items() if k != "INTERP_RUNNER_PLUGIN"}, "VLLM_SERVER_DEV_MODE": "1"}
-    # one after the other: vLLM's start measures the GPU's free memory, which the other server's start would move
-    stock = start([*VLLM, "serve", str(folder), "--port", "8101", *common,
-                   *(arg for key, value in engine.items() for arg in (f"--{key}", str(value))),
-                   *(["--load-format", "dummy"] if random_weights else [])], 8101, work / "stock.log", env)
+    stock_cmd = [*VLLM, "serve", str(folder), "--port", "8101", *common,
+                 *(arg for key, value in engine.items() for arg in (f"--{key}", str(value))),
+                 *(["--load-format", "dummy"] if random_weights else [])]
     # the installed interp-serve, as a user starts it (the repository root off the path: its kernels/ folder would
     # shadow the `kernels` package transformers probes for)
     serve_main = "import sys; del sys.path[0]; from interp_runner.serve.cli import main; main()"
-    interp = start([sys.executable, "-c", serve_main, f"model.path={folder}", "engine.enforce_eager=false",
-                    *(f"engine.{key.replace('-', '_')}={value}" for key, value in engine.items()),
-                    *(["++model.weights=seeded"] if random_weights else []),
-                    *args.interp_override, "--", "--port", "8102", *common],
-                   8102, work / "interp.log", env)
+    interp_cmd = [sys.executable, "-c", serve_main, f"model.path={folder}", "engine.enforce_eager=false",
+                  *(f"engine.{key.replace('-', '_')}={value}" for key, value in engine.items()),
+                  *(["++model.weights=seeded"] if random_weights else []),
+                  *args.interp_override, "--", "--port", "8102", *common]
+    if args.kv_cache_gib is None:
+        # one after the other: vLLM sizes its KV cache from the GPU's free memory, which the other's start would move
+        stock = wait_up(launch(stock_cmd, work / "stock.log", env), 8101, work / "stock.log")
+        interp = wait_up(launch(interp_cmd, work / "interp.log", env), 8102, work / "interp.log")
+    else:  # KV caches of a fixed size: both start at once
+        stock, interp = launch(stock_cmd, work / "stock.log", env), launch(interp_cmd, work / "interp.log", env)
+        wait_up(stock, 8101, work / "stock.log")
+        wait_up(interp, 8102, work / "interp.log")
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
     ratios = {c: {m: [] for m in PAIRED} for c in args.conditions}
     collects = {c: dict.fromkeys(COLLECT_METRICS, 0.0) for c in args.conditions}

@@ -65,7 +65,7 @@ def engine_flags(cfg, facts, gpu: bool) -> list[str]:
         flags += ["--block-size", str(e.block_size)]
     if e.kv_cache_memory_bytes is not None or not gpu:
         flags += ["--kv-cache-memory-bytes", str(e.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES)]
-    else:
+    if gpu:  # with a fixed KV cache too: vLLM's start checks the free memory against it
         flags += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
     seed = cfg.model.weights_seed()
     if seed is not None:

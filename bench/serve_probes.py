@@ -1,0 +1,93 @@
+"""What ``bench/serve_bench.py`` does to a server outside its timed intervals: start it and wait for it, and the two
+probes of one request each (the response's size with a capture, the TTFT of a freshly registered vector)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def launch(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+
+
+def wait_up(proc: subprocess.Popen, port: int, log: Path, timeout_s: float = 900) -> subprocess.Popen:
+    """``proc`` once its server answers /health."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{proc.args[0]} exited {proc.returncode}; see {log}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"{proc.args[0]} did not start; see {log}")
+
+
+def capture_body(layers: int) -> dict:
+    chosen = sorted({0, layers // 3, 2 * layers // 3, layers - 1})
+    return {"interp": {"capture": {"layers": chosen, "positions": "last_prompt"}}}
+
+
+def response_bytes(port: int, layers: int) -> dict:
+    """Bytes of one completion's response body, plain and with ``capture4``'s capture."""
+    sizes = {}
+    for name, extra in (("plain", {}), ("capture4", capture_body(layers))):
+        body = json.dumps({"model": "served", "prompt": "The history of bread begins", "max_tokens": 16,
+                           "temperature": 0, **extra}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            sizes[name] = len(urllib.request.urlopen(request, timeout=60).read())
+        except urllib.error.HTTPError as e:  # capture4's layers outside a narrowed serve.sites
+            sizes[name] = f"refused: HTTP {e.code}"
+    return sizes
+
+
+def fresh_vector_ttft(port: int, name: str, hidden: int, repeats: int) -> dict:
+    """TTFT (ms) of a streamed one-token request steered with a vector registered just before it, with one
+    registered long before, and unsteered: interleaved, ``repeats`` of each, after one untimed round."""
+    import numpy as np
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    rng = np.random.default_rng(0)
+
+    def register(vector_name: str) -> None:
+        body = json.dumps({"name": vector_name, "values": rng.standard_normal(hidden).tolist(),
+                           "replace": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/interp/vectors", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=60).read()
+
+    def ttft(vector_name: str | None) -> float:
+        extra = None if vector_name is None else {"interp": {"steering": {"base": {"post_block": {
+            "layer": 0, "vector": vector_name}}}}}
+        t0 = time.perf_counter()
+        stream = client.completions.create(model=name, prompt="The history of bread begins", max_tokens=1,
+                                           stream=True, extra_body=extra)
+        next(iter(stream))
+        elapsed = time.perf_counter() - t0
+        stream.close()
+        return 1e3 * elapsed
+
+    register("old")
+    register("warm")  # one untimed round: the server's first streamed requests are not a fresh vector's cost
+    for vector_name in ("warm", "old", None):
+        ttft(vector_name)
+    times: dict[str, list[float]] = {"fresh": [], "registered": [], "unsteered": []}
+    for i in range(repeats):
+        register(f"fresh{i}")
+        times["fresh"].append(ttft(f"fresh{i}"))
+        times["registered"].append(ttft("old"))
+        times["unsteered"].append(ttft(None))
+    return {k: {"median_ms": statistics.median(v), "max_ms": max(v)} for k, v in times.items()}
