@@ -69,6 +69,22 @@ def test_engine_limits_are_vllm_serves_own_unless_set():
     assert args[args.index("--max-num-seqs") + 1] == "8" and args[args.index("--max-model-len") + 1] == "512"
 
 
+def test_a_fixed_kv_cache_on_a_gpu_keeps_the_memory_share():
+    """vLLM's start checks the GPU's free memory against ``gpu_memory_utilization`` even where the KV cache is fixed,
+    so interp-serve passes both there (a CPU takes the fixed cache alone)."""
+    from interp_runner.serve.cli import compose, engine_flags
+    from interp_runner.config.run import validate_config
+
+    config = dict(compose(["model=tiny_random", "engine.kv_cache_memory_bytes=1073741824",
+                           "engine.gpu_memory_utilization=0.4"]))
+    config.pop("serve")
+    cfg = validate_config(config)
+    on_gpu, on_cpu = engine_flags(cfg, None, gpu=True), engine_flags(cfg, None, gpu=False)
+    assert on_gpu[on_gpu.index("--kv-cache-memory-bytes") + 1] == "1073741824"
+    assert on_gpu[on_gpu.index("--gpu-memory-utilization") + 1] == "0.4"
+    assert "--kv-cache-memory-bytes" in on_cpu and "--gpu-memory-utilization" not in on_cpu
+
+
 def test_capture_beyond_float16_is_sent_as_float32():
     from interp_runner.serve.compile import Compiled, result_json
     from interp_runner.serve.settings import CaptureRequest
