@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from paired import median_interval  # noqa: E402  (the same interval as the offline bench)
 from random_llama import SHAPE_KEYS, llama_shape, random_llama  # noqa: E402
-from serve_probes import capture_body, fresh_vector_ttft, launch, response_bytes, wait_up  # noqa: E402
+from serve_probes import capture_body, fresh_vector_ttft, response_bytes, start_servers  # noqa: E402
 
 RANDOM_MODEL = "llama8b-random"  # a random-weight model of ``LLAMA8B`` (or ``--llama-shape``), no weight files
 
@@ -327,14 +327,8 @@ def main() -> None:
                   *(f"engine.{key.replace('-', '_')}={value}" for key, value in engine.items()),
                   *(["++model.weights=seeded"] if random_weights else []),
                   *args.interp_override, "--", "--port", "8102", *common]
-    if args.kv_cache_gib is None:
-        # one after the other: vLLM sizes its KV cache from the GPU's free memory, which the other's start would move
-        stock = wait_up(launch(stock_cmd, work / "stock.log", env), 8101, work / "stock.log")
-        interp = wait_up(launch(interp_cmd, work / "interp.log", env), 8102, work / "interp.log")
-    else:  # KV caches of a fixed size: both start at once
-        stock, interp = launch(stock_cmd, work / "stock.log", env), launch(interp_cmd, work / "interp.log", env)
-        wait_up(stock, 8101, work / "stock.log")
-        wait_up(interp, 8102, work / "interp.log")
+    stock, interp = start_servers([(stock_cmd, 8101, work / "stock.log"), (interp_cmd, 8102, work / "interp.log")],
+                                  env, at_once=args.kv_cache_gib is not None)
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
     ratios = {c: {m: [] for m in PAIRED} for c in args.conditions}
     collects = {c: dict.fromkeys(COLLECT_METRICS, 0.0) for c in args.conditions}

@@ -33,6 +33,26 @@ def wait_up(proc: subprocess.Popen, port: int, log: Path, timeout_s: float = 900
     raise SystemExit(f"{proc.args[0]} did not start; see {log}")
 
 
+def start_servers(servers: list[tuple[list[str], int, Path]], env: dict, at_once: bool) -> list[subprocess.Popen]:
+    """Each (command, port, log) started and answering; ``at_once``, all launched before any is waited for (KV caches
+    of a fixed size), else one after the other (vLLM sizes a KV cache from the GPU's free memory, which another
+    server's start would move). A server that fails stops those already launched."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd, port, log in servers:
+            procs.append(launch(cmd, log, env))
+            if not at_once:
+                wait_up(procs[-1], port, log)
+        if at_once:
+            for proc, (_, port, log) in zip(procs, servers):
+                wait_up(proc, port, log)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    return procs
+
+
 def capture_body(layers: int) -> dict:
     chosen = sorted({0, layers // 3, 2 * layers // 3, layers - 1})
     return {"interp": {"capture": {"layers": chosen, "positions": "last_prompt"}}}
