@@ -1,6 +1,6 @@
 """Whether an unsteered request gives the numbers of an engine without interp ops: greedy tokens and their
-log-probabilities from an engine with steering and capture ops at ``post_block`` of every layer (no request
-steered or captured), against the same engine built with no sites (the model's own graph). Each engine runs in a
+log-probabilities from an engine with steering and capture ops at ``post_block`` of every layer (``--hook``,
+``--layers``; no request steered or captured), against the same engine built with no sites (the model's own graph). Each engine runs in a
 process of its own; the worst log-probability difference and whether every token matches are printed last.
 
     python bench/unsteered_parity.py --model smollm2_135m --dtype bfloat16          # compiled (torch.compile)
@@ -39,7 +39,8 @@ def generate(args) -> list[list[tuple[int, float]]]:
 
     path = model_path(args.model)
     layers = ModelFacts.from_folder(path).num_layers
-    sites = tuple(site_id(layer, "post_block") for layer in range(layers)) if args.side == "sites" else ()
+    chosen = range(layers) if args.layers == "all" else [int(x) for x in args.layers.split(",") if x]
+    sites = tuple(site_id(layer, args.hook) for layer in chosen) if args.side == "sites" else ()
     settings = {"dtype": args.dtype, "enforce_eager": args.eager, "max_model_len": 1024, "max_num_seqs": 8}
     if args.kv_cache_bytes:
         settings["kv_cache_memory_bytes"] = args.kv_cache_bytes
@@ -59,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: torch.compile)")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--layers", default="all", help="the layers with sites: all, or a comma list (a bisection; empty: none, the two engines' own noise)")
+    ap.add_argument("--hook", default="post_block", help="the sites' hook")
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="0: vLLM's default")
     ap.add_argument("--side", choices=("sites", "none"), help=argparse.SUPPRESS)  # one engine's run, in a child
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
