@@ -9,7 +9,9 @@ offsets are int64, so buffers of more than 2**31 elements are addressed correctl
 The launchers only read tensor metadata (shapes, strides, dtypes, pointers): no host sync, no allocation of
 data-dependent size, no branch on tensor values. The launch grid depends on shapes only, so every launcher can
 be captured in a CUDA graph and replayed with new buffer contents (row slots, masks, counts, destination rows).
-Inputs must have unit stride along the last dimension; row strides are free.
+Inputs must have unit stride along the last dimension; row strides are free. The steering table and the patch bank
+may hold another float dtype than x (the plugin's are in the model's dtype, and x is the stream vLLM keeps in float32
+between two fused adds): they are read as float32.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def _check_rows(name: str, t: torch.Tensor, d: int, dtype: torch.dtype | None = 
         raise ValueError(f"{name}: the last dimension must have unit stride, got strides {t.stride()}")
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+
+
+def _check_values(name: str, t: torch.Tensor, d: int) -> None:
+    """A table of values added or written into x's rows: any float dtype (read as float32)."""
+    _check_rows(name, t, d)
+    if not t.is_floating_point():
+        raise ValueError(f"{name}: expected a float dtype, got {t.dtype}")
 
 
 def _check_out(name: str, out: torch.Tensor, x: torch.Tensor) -> None:
@@ -146,7 +155,7 @@ def steer_add(x: torch.Tensor, table: torch.Tensor, row_slot: torch.Tensor,
     may be x itself: each element is read before it is written, by the same program)."""
     t, d = x.shape
     _check_rows("x", x, d)
-    _check_rows("table", table, d, x.dtype)
+    _check_values("table", table, d)
     _check_per_row("row_slot", row_slot, t)
     if out is None:
         out = torch.empty((t, d), dtype=x.dtype, device=x.device)
@@ -167,7 +176,7 @@ def patch_rows(x: torch.Tensor, bank: torch.Tensor, idx: torch.Tensor, coef: tor
     x."""
     t, d = x.shape
     _check_rows("x", x, d)
-    _check_rows("bank", bank, d, x.dtype)
+    _check_values("bank", bank, d)
     _check_per_row("idx", idx, t)
     _check_coef(coef, t)
     mask_u8 = _mask_bytes(mask, t)
@@ -195,7 +204,7 @@ def patch_pair(x: torch.Tensor, extra: torch.Tensor, bank: torch.Tensor, idx: to
     _check_rows("extra", extra, d)
     if extra.shape[0] != t:
         raise ValueError(f"extra: expected {t} rows, got {extra.shape[0]}")
-    _check_rows("bank", bank, d, x.dtype)
+    _check_values("bank", bank, d)
     _check_per_row("idx", idx, t)
     _check_coef(coef, t)
     mask_u8 = _mask_bytes(mask, t)

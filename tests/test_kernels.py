@@ -237,6 +237,38 @@ def test_capture_rows_cpu(count, dtype, with_extra, out_dtype):
     assert same(capture_rows_ref(inp["x"], extra, src, dest, count_t.long(), torch.full_like(out, NAN)), want)
 
 
+def float32_stream(inp: dict) -> torch.Tensor:
+    """A float32 x that bfloat16 cannot hold, for inputs drawn in bfloat16: the stream vLLM keeps in float32 between
+    two fused adds under torch.compile, while the steering table, the patch bank and the other half stay bfloat16."""
+    g = torch.Generator(device=inp["x"].device).manual_seed(7)
+    return inp["x"].float() + 1e-3 * torch.randn(inp["x"].shape, generator=g, device=inp["x"].device)
+
+
+def check_float32_stream(rows_mod, inp: dict, x: torch.Tensor, check=None) -> None:
+    """Steering, patching (one tensor and two halves) and capture of a float32 x with bfloat16 values, by
+    ``rows_mod``'s primitives, against the naive loops: float32 sums kept in float32."""
+    check = check or (lambda got, want: same(got, want))
+    args = (inp["bank"], inp["idx"], inp["coef"], inp["mask"])
+    steered = rows_mod.steer_add(x, inp["table"], inp["row_slot"])
+    assert steered.dtype == torch.float32 and check(steered, naive_steer(x, inp["table"], inp["row_slot"]))
+    assert check(rows_mod.patch_rows(x, *args), naive_patch_rows(x, *args))
+    pair = x.clone(), inp["extra"].clone()
+    rows_mod.patch_pair(*pair, *args, in_place=True)
+    want, want_extra = naive_patch_pair(x, inp["extra"], *args)
+    assert check(pair[0], want) and same(pair[1], want_extra)
+    src, dest, count_t, out = capture_setup(47, x.shape[0], x.shape[1], torch.float32, torch.float32, 4,
+                                            device=x.device)
+    want = naive_capture(x, inp["extra"], src, dest, count_t, out)
+    assert same(rows_mod.capture_rows(x, inp["extra"], src, dest, count_t.long(), out), want)
+
+
+@pytest.mark.parametrize("case", ["mixed", "alpha1"])
+def test_float32_stream_with_bfloat16_values_cpu(case):
+    rows, masked, alpha = CASES[case]
+    inp = make_inputs(45, rows, 24, torch.bfloat16, masked=masked, alpha=alpha)
+    check_float32_stream(kernels, inp, float32_stream(inp))
+
+
 # ---------------------------------------------------------------- CPU: the Triton kernels under the interpreter
 
 
@@ -345,6 +377,13 @@ def test_gpu_capture(rows, d, dtype):
             rows_mod.capture_rows(inp["x"], extra, src, dest, count_t, out)
             assert same(out, want)
             assert int(out.isnan().all(1).sum()) == out.shape[0] - count
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", GPU_D)
+def test_gpu_float32_stream_with_bfloat16_values(d):
+    inp = make_inputs(d + 3, 512, d, torch.bfloat16, device="cuda", slots=17, bank_rows=64)
+    check_float32_stream(gpu_rows(), inp, float32_stream(inp))
 
 
 @pytest.mark.gpu

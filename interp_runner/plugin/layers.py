@@ -2,14 +2,18 @@
 
 A block with ``fused_add_norm`` (all but GPT-2 and GPT-NeoX, whose blocks return the stream itself:
 ``plain_blocks``) returns ``(hidden, residual)`` and vLLM defers each add into the next fused add+norm, so the
-residual stream at a site is ``hidden + residual``. Steering the
-stream adds to ``residual``; capturing it adds the halves on the copied rows only; patching it
-(``interp::site_pair``) replaces both halves of the patched rows. A branch hook sees the branch's output after the
-family's post-branch norm, if any (``BlockLayout.post_attn_norm`` / ``post_mlp_norm``): what is added to the
-stream. A MoE block's ``router_logits`` site (capture only) runs the router on the MLP's input and copies its
-logits out (``interp::capture_only``). Sites without an op cost nothing: which sites carry one is fixed when the
-engine is built (``additional_config``), so compiled graphs see plain, static code. After the last layer, the
-stream the model's final norm reads is checked for non-finite values (``nonfinite``).
+residual stream at a site is ``hidden + residual``. Steering the stream adds to ``residual``; capturing it adds the
+halves on the copied rows only; patching it (``interp::site_pair``) replaces both halves of the patched rows. Under
+torch.compile, the ops at ``post_block`` and ``pre_attn`` act on ``residual`` in float32 (``_wide``): there Inductor
+keeps the stream that the last fused add made in float32 until the next add reads it, so a site with nothing to do
+leaves the model's own numbers, bit for bit.
+
+A branch hook sees the branch's output after the family's post-branch norm, if any (``BlockLayout.post_attn_norm`` /
+``post_mlp_norm``): what is added to the stream. A MoE block's ``router_logits`` site (capture only) runs the router
+on the MLP's input and copies its logits out (``interp::capture_only``). Sites without an op cost nothing: which
+sites carry one is fixed when the engine is built (``additional_config``), so compiled graphs see plain, static
+code. After the last layer, the stream the model's final norm reads is checked for non-finite values
+(``nonfinite``).
 """
 
 from __future__ import annotations
@@ -74,6 +78,24 @@ def _check_final_stream(self, hidden_states, residual) -> None:
         flag_rows(bad)
 
 
+def _wide(self, at):
+    """``at`` for a stream site between two fused add+norms of one compiled graph, acting on ``residual`` in float32.
+
+    vLLM's add+norm rounds the stream to the model's dtype, and the next one widens it again: Inductor drops that
+    round trip, so compiled vLLM carries the float32 sum from one add to the next. An op given the rounded
+    ``residual`` would round it there and move every later number; given ``residual.float()`` it sees that float32
+    sum, and where it changes nothing the next add reads the very same values. Outside torch.compile (eager engines,
+    steps run layer by layer) the round trip stays, so the op takes ``residual`` as it is."""
+
+    def at_stream(hook, residual, hidden_states):
+        if hook not in self._interp_sites or not torch.compiler.is_compiling():
+            return at(hook, residual, hidden_states)
+        wide, hidden_states = at(hook, residual.float(), hidden_states)
+        return wide.to(residual.dtype), hidden_states
+
+    return at_stream
+
+
 def fused_add_norm_forward(layout: BlockLayout):
     """The instrumented forward of a pre-norm block whose adds vLLM defers into fused add+norms."""
     pre_attn_norm, pre_mlp_norm = layout.pre_attn_norm, layout.pre_mlp_norm
@@ -84,12 +106,13 @@ def fused_add_norm_forward(layout: BlockLayout):
         if self._interp_sites is None:
             return self._interp_original_forward(positions, hidden_states, residual, **kwargs)
         at = _site_op(self)
+        at_stream = _wide(self, at)
         if residual is None:
             hidden_states, _ = at("pre_attn", hidden_states, None)
             residual = hidden_states
             hidden_states = getattr(self, pre_attn_norm)(hidden_states)
         else:
-            residual, hidden_states = at("pre_attn", residual, hidden_states)
+            residual, hidden_states = at_stream("pre_attn", residual, hidden_states)
             hidden_states, residual = getattr(self, pre_attn_norm)(hidden_states, residual)
         hidden_states = getattr(self, attn_name)(positions=positions, hidden_states=hidden_states, **kwargs)
         if post_attn_norm is not None:
@@ -104,7 +127,7 @@ def fused_add_norm_forward(layout: BlockLayout):
         if post_mlp_norm is not None:
             hidden_states = getattr(self, post_mlp_norm)(hidden_states)
         hidden_states, _ = at("mlp_out", hidden_states, None)
-        residual, hidden_states = at("post_block", residual, hidden_states)
+        residual, hidden_states = at_stream("post_block", residual, hidden_states)
         if self._interp_last:
             _check_final_stream(self, hidden_states, residual)
         return hidden_states, residual

@@ -13,8 +13,8 @@ import torch
 
 import interp_runner_kernels as kernels
 from interp_runner_kernels.reference import capture_rows_ref
-from test_kernels import (CASES, DTYPES, KERNELS_DIR, NAN, assert_within_ulp, capture_setup, lerp_scale, make_inputs,
-                          same)
+from test_kernels import (CASES, DTYPES, KERNELS_DIR, NAN, assert_within_ulp, capture_setup, check_float32_stream,
+                          float32_stream, lerp_scale, make_inputs, same)
 
 # Triton's interpreter runs the kernels with numpy on CPU tensors. TRITON_INTERPRET=1 is read when a kernel is
 # decorated, so the test loads its own copy of kernels/triton_rows.py with the variable set (the package's copy,
@@ -107,3 +107,6 @@ def test_interpreter_capture(interpreted, dtype, count):
             check_rounded(out[written], want[written])
 
 
+def test_interpreter_float32_stream_with_bfloat16_values(interpreted):
+    inp = make_inputs(80, 9, INTERP_D, torch.bfloat16)
+    check_float32_stream(interpreted, inp, float32_stream(inp))
