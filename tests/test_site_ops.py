@@ -1,5 +1,6 @@
 """The interp site ops on a planner without an engine: what an op launches outside CUDA graphs, the step's one
-gather of every steered site's rows, and the ops working in place, compiled as in an engine."""
+gather of every steered site's rows, the ops working in place, compiled as in an engine, and inert stream sites
+leaving a compiled block's numbers bit for bit."""
 
 from __future__ import annotations
 
@@ -169,3 +170,86 @@ def test_site_ops_work_in_place_and_compile_without_a_copy():
     assert [site for _, site in calls] == ["4", "9"], code
     assert calls[0][0] == calls[1][0], code  # one buffer, changed in place by both
     assert "clone" not in code and "copy_" not in code, code
+
+
+@pytest.mark.slow  # three Inductor compiles
+def test_an_inert_stream_site_leaves_the_compiled_block_bit_for_bit():
+    """Compiled, blocks whose residual stream goes from one fused add+norm to the next (vLLM's native form) carry
+    that stream in float32: Inductor drops the round trip through bfloat16 between the two. Ops at ``pre_attn`` and
+    ``post_block`` with nothing to do then leave the block's numbers as they are, bit for bit, because they take the
+    stream in float32 (``layers._wide``); the same ops given the bfloat16 stream would round it and move them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from interp_runner.models.layouts import layout_for
+    from interp_runner.plugin import layers, ops
+
+    hidden = 64
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(hidden, hidden, generator=gen, dtype=torch.bfloat16) / 8 for _ in range(2)]
+    norm_weight = (1 + torch.randn(hidden, generator=gen) / 4).to(torch.bfloat16)
+
+    class AddNorm(torch.nn.Module):  # vLLM's native fused add + RMS norm (vllm.ir.ops.layernorm)
+        def forward(self, x, residual=None):
+            dtype = x.dtype
+            x = x.float() if residual is None else x.float() + residual.float()
+            new_residual = x.to(dtype)
+            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype) * norm_weight
+            return x if residual is None else (x, new_residual)
+
+    class Linear(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+        def forward(self, hidden_states=None, positions=None, **kwargs):
+            return torch.tanh(hidden_states @ self.w)
+
+    state = stand_in.planner(hidden, (4, 9))
+    requests = {"plain": stand_in.request(None, 6)}
+    layout = layout_for("LlamaForCausalLM")
+    forward = layers.fused_add_norm_forward(layout)
+
+    def block(sites: dict):
+        module = torch.nn.Module()
+        module.input_layernorm, module.post_attention_layernorm = AddNorm(), AddNorm()
+        module.self_attn, module.mlp = Linear(weights[0]), Linear(weights[1])
+        parts = SimpleNamespace(**dict(module.named_children()), _interp_sites=sites, _interp_state=state,
+                                _interp_pair_sites=frozenset(), _interp_router_site=None, _interp_last=False)
+        final_norm = AddNorm()
+
+        def two_layers(positions, h, r):  # the next layer's add+norm reads the stream the first one leaves
+            h, r = forward(parts, positions, h, r)
+            h, r = forward(parts, positions, h, r)
+            return final_norm(h, r)
+
+        return two_layers
+
+    x = torch.randn(6, hidden, generator=gen).to(torch.bfloat16)
+    r = torch.randn(6, hidden, generator=gen).to(torch.bfloat16)
+    positions = torch.arange(6)
+
+    def compiled(sites: dict):
+        torch._dynamo.reset()
+        return torch.compile(block(sites), backend="inductor", fullgraph=True)(positions, x, r)
+
+    ops.register_ops()
+    ops.activate(state)
+    try:
+        state.before_forward(stand_in.runner(requests, [("plain", 0, 6)]), 6)
+        stock = compiled({})
+        inert = compiled({"pre_attn": 4, "post_block": 9})
+        layers_wide = layers._wide
+        layers._wide = lambda self, at: at  # the ops given the bfloat16 stream
+        try:
+            rounded = compiled({"pre_attn": 4, "post_block": 9})
+        finally:
+            layers._wide = layers_wide
+    finally:
+        state.after_forward()
+        ops.deactivate(state)
+        torch._dynamo.reset()
+    for got, want in zip(inert, stock):
+        assert torch.equal(got, want)
+    assert not all(torch.equal(got, want) for got, want in zip(rounded, stock))
