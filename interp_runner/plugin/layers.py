@@ -6,7 +6,8 @@ residual stream at a site is ``hidden + residual``. Steering the stream adds to 
 halves on the copied rows only; patching it (``interp::site_pair``) replaces both halves of the patched rows. Under
 torch.compile, the ops at ``post_block`` and ``pre_attn`` act on ``residual`` in float32 (``_wide``): there Inductor
 keeps the stream that the last fused add made in float32 until the next add reads it, so a site with nothing to do
-leaves the model's own numbers, bit for bit.
+leaves the model's own numbers, bit for bit. So do the branch ops after a post-branch norm, whose output Inductor
+also hands the next add in float32.
 
 A branch hook sees the branch's output after the family's post-branch norm, if any (``BlockLayout.post_attn_norm`` /
 ``post_mlp_norm``): what is added to the stream. A MoE block's ``router_logits`` site (capture only) runs the router
@@ -79,21 +80,22 @@ def _check_final_stream(self, hidden_states, residual) -> None:
 
 
 def _wide(self, at):
-    """``at`` for a stream site between two fused add+norms of one compiled graph, acting on ``residual`` in float32.
+    """``at`` for a site whose tensor the next fused add+norm of the same compiled graph reads, acting on it in float32.
 
-    vLLM's add+norm rounds the stream to the model's dtype, and the next one widens it again: Inductor drops that
-    round trip, so compiled vLLM carries the float32 sum from one add to the next. An op given the rounded
-    ``residual`` would round it there and move every later number; given ``residual.float()`` it sees that float32
-    sum, and where it changes nothing the next add reads the very same values. Outside torch.compile (eager engines,
-    steps run layer by layer) the round trip stays, so the op takes ``residual`` as it is."""
+    vLLM's norms round their results to the model's dtype, and the next fused add widens them again: Inductor drops
+    that round trip, so compiled vLLM hands the float32 value from one to the other (the stream from one fused add to
+    the next, a post-branch norm's output to the add after it). An op given the rounded tensor would round it there
+    and move every later number; given ``x.float()`` it sees the float32 value, and where it changes nothing the next
+    add reads the very same values. Outside torch.compile (eager engines, steps run layer by layer) the round trip
+    stays, so the op takes ``x`` as it is."""
 
-    def at_stream(hook, residual, hidden_states):
+    def at_wide(hook, x, extra):
         if hook not in self._interp_sites or not torch.compiler.is_compiling():
-            return at(hook, residual, hidden_states)
-        wide, hidden_states = at(hook, residual.float(), hidden_states)
-        return wide.to(residual.dtype), hidden_states
+            return at(hook, x, extra)
+        wide, extra = at(hook, x.float(), extra)
+        return wide.to(x.dtype), extra
 
-    return at_stream
+    return at_wide
 
 
 def fused_add_norm_forward(layout: BlockLayout):
@@ -106,18 +108,20 @@ def fused_add_norm_forward(layout: BlockLayout):
         if self._interp_sites is None:
             return self._interp_original_forward(positions, hidden_states, residual, **kwargs)
         at = _site_op(self)
-        at_stream = _wide(self, at)
+        at_wide = _wide(self, at)
+        at_attn_out = at_wide if post_attn_norm is not None else at
+        at_mlp_out = at_wide if post_mlp_norm is not None else at
         if residual is None:
             hidden_states, _ = at("pre_attn", hidden_states, None)
             residual = hidden_states
             hidden_states = getattr(self, pre_attn_norm)(hidden_states)
         else:
-            residual, hidden_states = at_stream("pre_attn", residual, hidden_states)
+            residual, hidden_states = at_wide("pre_attn", residual, hidden_states)
             hidden_states, residual = getattr(self, pre_attn_norm)(hidden_states, residual)
         hidden_states = getattr(self, attn_name)(positions=positions, hidden_states=hidden_states, **kwargs)
         if post_attn_norm is not None:
             hidden_states = getattr(self, post_attn_norm)(hidden_states)
-        hidden_states, _ = at("attn_out", hidden_states, None)
+        hidden_states, _ = at_attn_out("attn_out", hidden_states, None)
         residual, hidden_states = at("post_attn", residual, hidden_states)
 
         hidden_states, residual = getattr(self, pre_mlp_norm)(hidden_states, residual)
@@ -126,8 +130,8 @@ def fused_add_norm_forward(layout: BlockLayout):
         hidden_states = getattr(self, mlp_name)(hidden_states)
         if post_mlp_norm is not None:
             hidden_states = getattr(self, post_mlp_norm)(hidden_states)
-        hidden_states, _ = at("mlp_out", hidden_states, None)
-        residual, hidden_states = at_stream("post_block", residual, hidden_states)
+        hidden_states, _ = at_mlp_out("mlp_out", hidden_states, None)
+        residual, hidden_states = at_wide("post_block", residual, hidden_states)
         if self._interp_last:
             _check_final_stream(self, hidden_states, residual)
         return hidden_states, residual
