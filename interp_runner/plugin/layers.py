@@ -86,11 +86,11 @@ def _wide(self, at):
     that round trip, so compiled vLLM hands the float32 value from one to the other (the stream from one fused add to
     the next, a post-branch norm's output to the add after it). An op given the rounded tensor would round it there
     and move every later number; given ``x.float()`` it sees the float32 value, and where it changes nothing the next
-    add reads the very same values. Outside torch.compile (eager engines, steps run layer by layer) the round trip
-    stays, so the op takes ``x`` as it is."""
+    add reads the very same values. Only for torch.compile: outside it (eager engines, steps run layer by layer) the
+    round trip stays, so the op takes ``x`` as it is."""
 
     def at_wide(hook, x, extra):
-        if hook not in self._interp_sites or not torch.compiler.is_compiling():
+        if hook not in self._interp_sites:
             return at(hook, x, extra)
         wide, extra = at(hook, x.float(), extra)
         return wide.to(x.dtype), extra
@@ -108,7 +108,7 @@ def fused_add_norm_forward(layout: BlockLayout):
         if self._interp_sites is None:
             return self._interp_original_forward(positions, hidden_states, residual, **kwargs)
         at = _site_op(self)
-        at_wide = _wide(self, at)
+        at_wide = _wide(self, at) if torch.compiler.is_compiling() else at
         at_attn_out = at_wide if post_attn_norm is not None else at
         at_mlp_out = at_wide if post_mlp_norm is not None else at
         if residual is None:

@@ -117,8 +117,9 @@ class ResultFlags:
                 if on_device:
                     copied = torch.cuda.Event()
                     copied.record()
-                released_rids = self._rids, np.array(self._own, dtype=np.int64), np.array(self._cell, dtype=np.int64)
-                self._held.append((host, copied, released_rids))
+                entries: Entries = (self._rids, np.array(self._own, dtype=np.int64),
+                                    np.array(self._cell, dtype=np.int64))
+                self._held.append((host, copied, entries))
         if aside is not None:
             main.wait_stream(aside)  # the zeroing after the copy, on the device
             index.record_stream(main)
