@@ -19,7 +19,8 @@ def register() -> None:
     global _registered
     if _registered or os.environ.get(ENABLE_ENV) != "1":
         return
-    from interp_runner.plugin import kv_groups, layers, ops, parent_watch, prefix_cache, runners, seeded_loader
+    from interp_runner.plugin import (collect_order, kv_groups, layers, ops, parent_watch, prefix_cache, runners,
+                                      seeded_loader)
 
     parent_watch.start()
     # vLLM unfreezes the heap when it shuts an engine down, and at exit the interpreter's last collections walk all
@@ -31,6 +32,7 @@ def register() -> None:
     layers.instrument_decoder_layers()
     runners.instrument()  # every model runner vLLM may pick (``runners``)
     prefix_cache.instrument_block_hashing()
+    collect_order.instrument_engine_core()
     kv_groups.keep_fields_when_unifying()
     _registered = True
 

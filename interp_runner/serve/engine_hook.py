@@ -109,14 +109,30 @@ class InterpEngine:
         self.engine = engine
         self.collector = Collector(engine)
         self.registered: set[str] = set()
+        self.registering: dict[str, asyncio.Future] = {}  # vector -> its registration on its way
         self._generate = engine.generate
         engine.generate = self.generate
 
     async def register(self, vectors: dict[str, np.ndarray]) -> None:
-        new = {k: np.asarray(v, dtype=np.float32).tobytes() for k, v in vectors.items() if k not in self.registered}
+        """Vectors onto the workers, each once: requests arriving while one is on its way wait for that call (each
+        call blocks the engine core's loop, and requests added ahead of it wait for it too)."""
+        pending = self.registering
+        new = {k: np.asarray(v, dtype=np.float32).tobytes() for k, v in vectors.items()
+               if k not in self.registered and k not in pending}
+        calls = {pending[k] for k in vectors if k in pending}
         if new:
-            await self.engine.collective_rpc(REGISTER_VECTORS, args=(new,))
-            self.registered.update(new)
+            call = asyncio.ensure_future(self.engine.collective_rpc(REGISTER_VECTORS, args=(new,)))
+            pending.update(dict.fromkeys(new, call))
+            call.add_done_callback(lambda done: self._registered(new, done))
+            calls.add(call)
+        for call in calls:
+            await asyncio.shield(call)  # a request gone does not cancel the others' registration
+
+    def _registered(self, names, call: asyncio.Future) -> None:
+        for name in names:
+            self.registering.pop(name, None)
+        if not call.cancelled() and call.exception() is None:
+            self.registered.update(names)
 
     def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
         call = CURRENT.get()
