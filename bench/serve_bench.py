@@ -19,7 +19,9 @@ Each interval starts with the server's prefix cache emptied, and its clients sen
 every interval, both servers' own figures come from their /metrics pages: engine steps, wall time per step, tokens
 per step, a request's mean queue, prefill and decode time, the server-side TPOT and prefix-cache hits (the table's
 second part gives their medians). During every interp interval the server's read-backs of results
-(``interp_collect_seconds``: calls, requests, seconds) are summed per condition. Separately, ``fresh-vector TTFT``:
+(``interp_collect_seconds``: calls, requests, seconds) are summed per condition, with its workers' host time per
+engine step: the plugin's planning and after-forward work, the runner's ``execute_model`` and ``sample_tokens``
+(``interp_runner.plugin.step_timers``, through vLLM's dev route ``/collective_rpc``). Separately, ``fresh-vector TTFT``:
 a vector registered (POST /v1/interp/vectors) right before a streamed request that steers with it, against requests
 steered with a vector registered long before and unsteered ones, interleaved.
 
@@ -51,7 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from paired import median_interval  # noqa: E402  (the same interval as the offline bench)
 from random_llama import SHAPE_KEYS, llama_shape, random_llama  # noqa: E402
-from serve_probes import capture_body, fresh_vector_ttft, response_bytes, start_servers  # noqa: E402
+from serve_probes import capture_body, fresh_vector_ttft, response_bytes, start_servers, worker_timers  # noqa: E402
 
 RANDOM_MODEL = "llama8b-random"  # a random-weight model of ``LLAMA8B`` (or ``--llama-shape``), no weight files
 
@@ -256,6 +258,19 @@ def server_figures(before: dict, after: dict, wall_s: float) -> dict[str, float 
     return out
 
 
+def add_timers(into: dict, timed: dict) -> None:
+    """Add one interval's worker timers (rank 0: the result rank) to a condition's sums."""
+    for kind, t in timed.items():
+        calls, ms = into.get(kind, (0, 0.0))
+        into[kind] = (calls + t["steps"], ms + t["total_ms"])
+
+
+def per_step(kinds: dict) -> dict:
+    """Microseconds of each call kind per engine step (``execute_model`` calls), and the steps counted."""
+    steps = kinds.get("execute_model", (0, 0.0))[0]
+    return {"steps": steps, **{kind: 1e3 * ms / steps for kind, (_, ms) in kinds.items() if steps}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2_135m",
@@ -332,6 +347,7 @@ def main() -> None:
     report: dict = {"model": str(folder), "args": {k: str(v) for k, v in vars(args).items()}, "conditions": {}}
     ratios = {c: {m: [] for m in PAIRED} for c in args.conditions}
     collects = {c: dict.fromkeys(COLLECT_METRICS, 0.0) for c in args.conditions}
+    host = {c: {} for c in args.conditions}  # the interp workers' host time per call kind: [calls, ms]
     # every interval's own figures (client metrics and the server's), per condition and server
     absolute = {c: {"stock": [], "interp": []} for c in args.conditions}
     lanes: list[Lane] = []
@@ -353,6 +369,8 @@ def main() -> None:
                 for i, which in enumerate(("stock", "interp", "interp", "stock")):
                     port = 8101 if which == "stock" else 8102
                     names = SERVER_METRICS + (COLLECT_METRICS if which == "interp" else ())
+                    if which == "interp":
+                        worker_timers(port, "interp_timers_start")
                     before, t_interval = scrape(port, names), time.monotonic()
                     figures = interval(args, lanes, port, "stock" if which == "stock" else condition,
                                        work, f"{condition}-{r}-{i}-{which}", facts.num_layers, number)
@@ -361,9 +379,10 @@ def main() -> None:
                     after = scrape(port, names)
                     got[which].append({**figures, **server_figures(before, after, wall)})
                     absolute[condition][which].append(got[which][-1])
-                    if which == "interp":  # the interp server's read-backs during the interval
+                    if which == "interp":  # the interp server's read-backs and its workers' host time
                         for name in COLLECT_METRICS:
                             collects[condition][name] += after[name] - before[name]
+                        add_timers(host[condition], worker_timers(port, "interp_timers_stop")[0])
                 # pairs: each interp interval with the stock interval next to it (1 with 0, 2 with 3)
                 for s, x in ((got["stock"][0], got["interp"][0]), (got["stock"][1], got["interp"][1])):
                     for m in PAIRED:
@@ -380,6 +399,7 @@ def main() -> None:
                                               for which, rows in sides.items() if rows}
                                       for c, sides in absolute.items() if sides["stock"]}
                 report["intervals"] = absolute
+                report["worker_host_us_a_step"] = {c: per_step(kinds) for c, kinds in host.items() if kinds}
                 report["elapsed_s"] = time.monotonic() - t0
                 if args.json:  # after every condition: a run cut short keeps what it measured
                     args.json.write_text(json.dumps(report, indent=1))
@@ -404,6 +424,9 @@ def print_table(report: dict) -> None:
     for condition, c in report.get("collect", {}).items():
         print(f"{condition:<15} read-backs: {c['calls']:.0f} calls for {c['requests']:.0f} requests, "
               f"{c['seconds']:.3f} s in all" + (f", {c['mean_ms']:.2f} ms a call" if c["mean_ms"] else ""))
+    for condition, row in report.get("worker_host_us_a_step", {}).items():
+        print(f"{condition:<15} interp workers' host time, µs a step over {row['steps']} steps: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in row.items() if k != "steps"))
     absolute = report.get("absolute", {})
     if absolute:
         figures = [k for k in next(iter(absolute.values()))["stock"] if k != "output_throughput"]

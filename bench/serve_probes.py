@@ -111,3 +111,14 @@ def fresh_vector_ttft(port: int, name: str, hidden: int, repeats: int) -> dict:
         times["registered"].append(ttft("old"))
         times["unsteered"].append(ttft(None))
     return {k: {"median_ms": statistics.median(v), "max_ms": max(v)} for k, v in times.items()}
+
+
+def worker_timers(port: int, method: str) -> list[dict]:
+    """``interp_timers_start`` or ``interp_timers_stop`` on the server's workers (vLLM's dev route ``/collective_rpc``):
+    the host time of the plugin's and the runner's calls per step, per rank (``interp_runner.plugin.step_timers``)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/collective_rpc", method="POST",
+                                     data=json.dumps({"method": method}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        body = response.read()
+    return json.loads(body)["results"] if body else []

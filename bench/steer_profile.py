@@ -1,80 +1,23 @@
 """Where an interp engine's time goes in ``steer_overhead.py``: one untimed run per condition with the plugin's and
-the runner's calls timed in every worker (through ``collective_rpc``, so TP workers' own processes too), and the
-table of it."""
+the runner's calls timed in every worker (``interp_runner.plugin.step_timers``, started and stopped through
+``collective_rpc``, so TP workers' own processes too), and the table of it."""
 
 from __future__ import annotations
 
 import statistics
-import sys
-
-import cloudpickle
-
-# the worker functions travel to TP workers by value, as they did from the script's own __main__
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def planner_profile(llm, plan, engine, generate) -> dict:
     """Where a run's time goes (an untimed extra run): on the host, generation and the collection of results; in
-    every worker (through ``collective_rpc``, so in TP workers' own processes too), the plugin's planner, its
-    after-forward work, its collect and the results' packing, and the runner's ``execute_model`` and
-    ``sample_tokens``. Per rank: steps, mean / median / max microseconds, total milliseconds. ``generate(llm, plan,
-    engine)`` makes the run and returns its ``wall_s`` and ``collect_s``."""
-    llm.collective_rpc(_install_worker_timers)
+    every worker, the plugin's planner, its after-forward work, its collect and the results' packing, and the
+    runner's ``execute_model`` and ``sample_tokens``. Per rank: steps, mean / median / max microseconds, total
+    milliseconds. ``generate(llm, plan, engine)`` makes the run and returns its ``wall_s`` and ``collect_s``."""
+    llm.collective_rpc("interp_timers_start")
     try:
         run = generate(llm, plan, engine)
     finally:
-        per_rank = llm.collective_rpc(_fetch_worker_timers)
-    ranks = []
-    for spent in per_rank:
-        ranks.append({key: {"steps": len(values), "mean_us": 1e6 * statistics.fmean(values),
-                            "median_us": 1e6 * statistics.median(values), "max_us": 1e6 * max(values),
-                            "total_ms": 1e3 * sum(values)} for key, values in spent.items() if values})
+        ranks = llm.collective_rpc("interp_timers_stop")
     return {"wall_s": run.wall_s, "collect_s": run.collect_s, "ranks": ranks}
-
-
-def _install_worker_timers(worker) -> None:
-    """(Runs in each worker.) Wrap the calls ``planner_profile`` times; ``_fetch_worker_timers`` unwraps them."""
-    import time
-    from collections import defaultdict
-
-    from interp_runner.plugin import worker as worker_module
-    from interp_runner.plugin.runtime import InterpState
-
-    spent, patched = defaultdict(list), []
-
-    def timed(owner, name, key):
-        original = getattr(owner, name)
-        own = name in vars(owner)
-
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[key].append(time.perf_counter() - t0)
-
-        patched.append((owner, name, original if own else None))
-        setattr(owner, name, wrapper)
-
-    timed(InterpState, "before_forward", "planner")
-    timed(InterpState, "after_forward", "after_forward")
-    timed(InterpState, "collect", "collect")
-    timed(worker_module, "send_results", "send_results")
-    for name in ("execute_model", "sample_tokens"):
-        timed(worker.model_runner, name, name)
-    worker.interp_bench_timers = (spent, patched)
-
-
-def _fetch_worker_timers(worker) -> dict:
-    """(Runs in each worker.) The times ``_install_worker_timers`` gathered, its wrappers removed."""
-    spent, patched = worker.interp_bench_timers
-    del worker.interp_bench_timers
-    for owner, name, original in reversed(patched):
-        if original is None:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
-    return dict(spent)
 
 
 def breakdown(results: list[dict]) -> str:

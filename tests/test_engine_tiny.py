@@ -275,3 +275,19 @@ def test_teacher_forcing_generates_the_given_tokens_with_the_model_log_probabili
         positions, got = result.captures[site_id(2, "mlp_out")]
         assert positions.tolist() == list(range(n, n + 3))
         assert rel_err(got, acts[(2, "mlp_out")][n:]) <= 1e-4
+
+
+def test_step_timers_time_every_step_and_leave_nothing_behind(runner_engine):
+    from interp_runner.plugin.runtime import InterpState
+
+    planner = InterpState.before_forward
+    llm = runner_engine.llm
+    llm.collective_rpc("interp_timers_start")
+    steering = {"request": [{"prompts": [0], "base": {"post_block": {"layer": "all", "vector": vector()}}}]}
+    run_config(runner_engine, config(steering=steering))
+    (timed,) = llm.collective_rpc("interp_timers_stop")
+    steps = timed["execute_model"]["steps"]
+    assert steps >= 6 and timed["planner"]["steps"] == steps and timed["sample_tokens"]["steps"] == steps
+    assert timed["collect"]["steps"] >= 1
+    assert all(t["total_ms"] > 0 and t["max_us"] >= t["median_us"] > 0 for t in timed.values())
+    assert InterpState.before_forward is planner and llm.collective_rpc("interp_timers_stop") == [{}]

@@ -5,9 +5,12 @@ vLLM loads it by ``interp_runner.engine.settings.WORKER_EXTENSION``.
 
 from __future__ import annotations
 
+import sys
+
 from interp_runner.plugin.ops import deactivate
 from interp_runner.plugin.runner_patches import plans_steps, state_of, view_of
 from interp_runner.plugin.runners.base import room_name
+from interp_runner.plugin.step_timers import StepTimers
 from interp_runner.result_transfer import out_block, send_results
 
 
@@ -77,3 +80,13 @@ class InterpWorkerExtension:
             return state.collect(rids)
         with out_block(block) as out:  # the captured rows go from the device straight into the host's block
             return send_results(state.collect(rids, out.reserve), out)
+
+    def interp_timers_start(self) -> None:
+        """A benchmark's probe: time the plugin's and the runner's calls from now on (``plugin.step_timers``)."""
+        if getattr(self, "_interp_timers", None) is None:
+            self._interp_timers = StepTimers(self.model_runner, type(self._interp()), sys.modules[__name__])
+
+    def interp_timers_stop(self) -> dict:
+        """The calls timed since ``interp_timers_start`` (none: ``{}``), their wrappers removed."""
+        timers, self._interp_timers = getattr(self, "_interp_timers", None), None
+        return {} if timers is None else timers.stop()
