@@ -100,7 +100,7 @@ def test_a_read_back_copies_flags_without_waiting_for_a_step_queued_after_them()
     bad, good = NS(rid="bad", cells=None, flag_slot=0), NS(rid="good", cells=None, flag_slot=0)
     flags.acquire(bad)
     flags.acquire(good)
-    flags.plan([bad, good], np.array([0, 1, 2]), np.array([0, 0]), 2, 2, None)
+    flags.plan(np.array([bad.flag_slot, good.flag_slot]), [], np.array([0, 1, 2]), np.array([0, 0]), 2, 2, None)
     flags.flag_rows(torch.tensor([True, False], device=device))
     slot = bad.flag_slot
     torch.cuda.synchronize()  # the requests' last step has ended, as their outputs reached the host

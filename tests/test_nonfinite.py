@@ -162,7 +162,7 @@ def test_a_packed_request_flags_a_cell_by_its_own_rows_or_the_shared_prefix():
         lone = NS(rid="lone", cells=None, flag_slot=0)
         flags.acquire(lone)
         starts, computed = np.array([0, 10, 11]), np.array([0, 0])  # prefix 0-3, segments 4-5, 6-7, 8-9
-        flags.plan([plan, lone], starts, computed, 12, 11, row_of)
+        flags.plan(np.array([plan.flag_slot, lone.flag_slot]), [(0, plan)], starts, computed, 12, 11, row_of)
         bad = torch.zeros(11, dtype=torch.bool)
         bad[bad_rows] = True
         flags.flag_rows(bad)

@@ -21,6 +21,7 @@ from interp_runner.contracts import Capture
 from interp_runner.payload import unpack_positions
 from interp_runner_kernels.reference import gather_rows
 
+from interp_runner.plugin.batch_plans import BatchPlans
 from interp_runner.plugin.readback import CaptureMeta
 from interp_runner.plugin.records import CaptureGroup
 
@@ -118,10 +119,10 @@ class CaptureBuffer:
         return self._meta is not None
 
     # -- per step -----------------------------------------------------------------------------------
-    def plan(self, plans, starts, computed, row_of: np.ndarray | None) -> bool:
-        """Point each capture site at this step's rows (those captured for the host, then those kept in the bank);
-        returns whether the step must run outside the graphs (its rows do not fit ``cap_out``: they are then
-        copied out directly)."""
+    def plan(self, plans: BatchPlans | None, starts, computed, row_of: np.ndarray | None) -> bool:
+        """Point each capture site at this step's rows (those captured for the host, then those kept in the bank;
+        ``plans`` None: none); returns whether the step must run outside the graphs (its rows do not fit
+        ``cap_out``: they are then copied out directly)."""
         rows_by_site: dict[int, list[np.ndarray]] = defaultdict(list)
         keep_by_site: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)  # (rows, bank rows)
         kept_keys: list[np.ndarray] = []
@@ -129,9 +130,8 @@ class CaptureBuffer:
         meta_rids: list[str] = []
         meta_positions: list[np.ndarray] = []
         total = 0
-        for i, plan in enumerate(plans):
-            if plan is None or not (plan.capture_groups or plan.keep):
-                continue
+        for i in plans.capturing(starts, computed) if plans is not None else ():
+            plan = plans.plans[i]
             first, count = int(computed[i]), int(starts[i + 1] - starts[i])
             end = first + count
             for group in plan.capture_groups:

@@ -22,6 +22,8 @@ stream, which the steps queued meanwhile do not hold up.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -104,7 +106,7 @@ class ResultFlags:
         on_device = self.flags.is_cuda
         main = torch.cuda.current_stream(self.flags.device) if on_device else None
         aside = self._side_stream() if between_steps and on_device else None
-        with torch.cuda.stream(aside):  # no-op without a side stream
+        with torch.cuda.stream(aside) if aside is not None else contextlib.nullcontext():
             if aside is None:
                 index = self._staging.upload(released)
             else:
@@ -144,16 +146,15 @@ class ResultFlags:
         return {rid: self.flagged.pop(rid, False) for rid in rids}
 
     # -- per step -----------------------------------------------------------------------------------
-    def plan(self, plans, starts: np.ndarray, computed: np.ndarray, num_rows: int, num_tokens: int,
-             row_of: np.ndarray | None) -> None:
-        """Write each row's slot: its request's, or for a packed request's segment rows its cell's."""
-        n = len(starts) - 1
-        owner = np.repeat(np.arange(n), np.diff(starts))
+    def plan(self, flag_slots: np.ndarray, packed, starts: np.ndarray, computed: np.ndarray, num_rows: int,
+             num_tokens: int, row_of: np.ndarray | None) -> None:
+        """Write each row's slot: its request's (``flag_slots``, one per request), or for a packed request's segment
+        rows its cell's (``packed``: (batch index, plan) of each packed request)."""
         slots = np.zeros(num_rows, dtype=np.int64)
-        slots[:num_tokens] = np.array([p.flag_slot if p is not None else 0 for p in plans], dtype=np.int64)[owner]
-        for i, plan in enumerate(plans):
-            cells = plan.cells if plan is not None else None
-            if cells is None or plan.flag_slot == 0:
+        slots[:num_tokens] = np.repeat(flag_slots, starts[1:] - starts[:-1])
+        for i, plan in packed:
+            cells = plan.cells
+            if plan.flag_slot == 0:
                 continue
             rows = np.arange(starts[i], starts[i + 1])
             positions = computed[i] + rows - starts[i]
@@ -162,7 +163,8 @@ class ResultFlags:
             slots[rows[inside]] = plan.cell_flag_slots[k]
         if row_of is not None:
             slots[row_of] = slots[:num_tokens].copy()
-        if isinstance(self._row_slots, np.ndarray) and np.array_equal(self._row_slots, slots):
+        held = self._row_slots
+        if isinstance(held, np.ndarray) and held.tobytes() == slots.tobytes():
             return  # the buffer already holds these slots
         self._staging.upload(slots, into=self.row_slot[:num_rows])
         self._row_slots = slots

@@ -15,6 +15,7 @@ import torch
 import interp_runner_kernels as kernels
 from interp_runner.contracts import PatchColumns
 
+from interp_runner.plugin.batch_plans import PATCH, BatchPlans
 from interp_runner.plugin.records import PatchEntries
 
 MANY_ENTRIES = 32  # from here on a request's entries are sorted in numpy
@@ -101,15 +102,15 @@ class PatchRows:
                             b.tolist(), positions[0], positions[-1])
 
     # -- per step -----------------------------------------------------------------------------------
-    def plan(self, plans, starts, computed, row_of: np.ndarray | None) -> None:
-        """Point this step's patched rows at their bank rows; rows patched last step are unmasked first."""
+    def plan(self, plans: BatchPlans | None, starts, computed, row_of: np.ndarray | None) -> None:
+        """Point this step's patched rows at their bank rows (``plans`` None: none); rows patched last step are
+        unmasked first."""
         flat, banks, a, b = [], [], [], []
-        if any(p is not None and p.patch is not None for p in plans):
+        patched = plans.where(PATCH) if plans is not None else ()
+        if patched:
             starts, computed = starts.tolist(), computed.tolist()
-            for i, plan in enumerate(plans):
-                if plan is None or plan.patch is None:
-                    continue
-                entries = plan.patch
+            for i in patched:
+                entries = plans.plans[i].patch
                 first, lo, hi = computed[i], entries.lo, entries.hi
                 end = first + starts[i + 1] - starts[i]
                 if hi < first or lo >= end:
@@ -123,13 +124,13 @@ class PatchRows:
                 banks += entries.bank_rows[j:k]
                 a += entries.value_weights[j:k]
                 b += entries.source_weights[j:k]
-        mask = self.mask.view(-1)
         if self._flat is not None:
-            mask[self._flat] = False
+            self.mask.view(-1)[self._flat] = False
             self._flat = None
         self._flat_host = None
         if not flat:
             return
+        mask = self.mask.view(-1)
         flat, banks = np.array(flat, dtype=np.int64), np.array(banks, dtype=np.int64)
         self._flat_host = flat
         if row_of is not None:

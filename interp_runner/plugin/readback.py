@@ -14,6 +14,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from interp_runner.plugin.batch_plans import SCORE, BatchPlans
+
 PENDING_BYTES = 256 << 20  # device-side results read back once this much has gathered
 
 
@@ -73,14 +75,14 @@ class Readback:
         self._staging = staging
 
     # -- per step -----------------------------------------------------------------------------------
-    def plan(self, plans, starts: np.ndarray, computed: np.ndarray) -> None:
+    def plan(self, plans: BatchPlans, starts: np.ndarray, computed: np.ndarray) -> None:
         """The requests whose last prompt token this step computes, and that score it."""
         rows = []
-        for i, plan in enumerate(plans):
-            if plan is not None and plan.score_ids is not None and computed[i] + starts[i + 1] - starts[i] \
-                    == plan.prompt_len:
+        listed = plans.plans
+        for i in plans.where(SCORE):
+            if computed[i] + starts[i + 1] - starts[i] == listed[i].prompt_len:
                 rows.append(i)
-        self.score_rows, self._plans = rows, plans
+        self.score_rows, self._plans = rows, listed
 
     def record_scores(self, logits: torch.Tensor) -> None:
         """Log-probabilities of each scored request's token ids (any rank), and its top token. Computed on the

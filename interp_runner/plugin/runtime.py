@@ -25,6 +25,7 @@ extension in ``worker`` (re-exported here: vLLM loads it by this module's path).
 from __future__ import annotations
 
 import weakref
+from itertools import filterfalse
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,6 +38,7 @@ from interp_runner.payload import unpack_positions
 from interp_runner.sites import ROUTER_LOGITS, site_of
 
 from interp_runner.plugin.bank import PatchBank
+from interp_runner.plugin.batch_plans import CELLS, PLANNED, BatchPlans, RequestColumns
 from interp_runner.plugin.capture import CaptureBuffer, capture_groups
 from interp_runner.plugin.checksum import RankChecksum
 from interp_runner.plugin.kept_kv import KeptKV
@@ -136,6 +138,10 @@ class InterpState:
         self.patch_sites, self.patch_index = self.patches.sites, self.patches.index
 
         self.requests: dict[str, RequestPlan | None] = {}  # worker request id -> plan (None: no payload)
+        self._columns = RequestColumns()
+        self._rows: dict[str, int] = {}  # worker request id -> its row of ``_columns`` (0: no plan)
+        self._epoch = 0  # counts the changes of ``requests``: a batch's plans are made again after one
+        self._batch: BatchPlans | None = None  # the last step's
         self._packed: set[str] = set()  # worker ids of the admitted packed requests
         self._steady: SteadyStep | None = None
         # a step run layer by layer (``skipping.run_layers``): the sites whose op has work in it, called directly
@@ -251,21 +257,31 @@ class InterpState:
         plan.bank_keys += used
         self.patch_bank.use(used)
 
-    def _plans(self, view: RunnerView, batch: StepBatch) -> list[RequestPlan | None]:
-        """The plans of the step's requests, in batch order (new requests admitted)."""
+    def _plans(self, view: RunnerView, batch: StepBatch) -> BatchPlans:
+        """The plans of the step's requests, in batch order (new requests admitted); made once per batch."""
         self.forget_finished(view.live_requests())
-        requests = self.requests
-        for rid in batch.req_ids:
+        req_ids = tuple(batch.req_ids)
+        last = self._batch
+        if last is not None and last.epoch == self._epoch and last.req_ids == req_ids:
+            return last
+        requests, rows = self.requests, self._rows
+        for rid in req_ids:
             if rid not in requests:
                 plan = requests[rid] = self._admit(*view.new_request(rid))
+                rows[rid] = 0 if plan is None else self._columns.add(plan)
+                self._epoch += 1
                 if plan is not None and plan.cells is not None:
                     self._packed.add(rid)
-        return [requests[rid] for rid in batch.req_ids]
+        index = np.fromiter(map(rows.__getitem__, req_ids), dtype=np.intp, count=len(req_ids))
+        self._batch = BatchPlans(req_ids, [requests[rid] for rid in req_ids], index, self._columns, self._epoch)
+        return self._batch
 
     def forget_finished(self, live_requests) -> None:
-        for rid in [r for r in self.requests if r not in live_requests]:
+        for rid in list(filterfalse(live_requests.__contains__, self.requests)):
             self._packed.discard(rid)
+            self._columns.remove(self._rows.pop(rid))
             self._release(self.requests.pop(rid))
+            self._epoch += 1
 
     def finished(self, rids: list[str]) -> None:
         """Requests the engine reported finished: what they hold is freed now, not when the runner drops them (at
@@ -274,6 +290,9 @@ class InterpState:
         for rid, plan in self.requests.items():
             if plan is not None and plan.rid in done:
                 self.requests[rid] = None  # nothing left to apply, should a step still hold it
+                self._columns.remove(self._rows[rid])
+                self._rows[rid] = 0
+                self._epoch += 1
                 self._release(plan)
 
     def _release(self, plan: RequestPlan | None) -> None:
@@ -295,14 +314,15 @@ class InterpState:
         self.readback.cells, self.readback.only_packed = None, False
         batch = view.batch()
         requests, packed = self.requests, self._packed
-        if not any(rid not in requests or rid in packed for rid in batch.req_ids):
+        ids = batch.req_ids
+        if all(map(requests.__contains__, ids)) if not packed else \
+                not any(rid not in requests or rid in packed for rid in ids):
             return  # the usual step (a decode step, say): every request admitted, none packed
         plans = self._plans(view, batch)
-        is_packed = [p is not None and p.cells is not None for p in plans]
-        if not any(is_packed):
+        if not plans.any_kind & CELLS:
             return
-        self.readback.cells = packing.plan(plans, batch, view)
-        self.readback.only_packed = all(is_packed)
+        self.readback.cells = packing.plan(plans.plans, batch, view)
+        self.readback.only_packed = bool((plans.kinds & CELLS).all())
 
     def before_forward(self, view: RunnerView, num_rows: int) -> bool:
         """Fill this step's buffers; returns whether this step captures outside the buffers (it must run outside
@@ -324,11 +344,11 @@ class InterpState:
         self.result_flags.flush()  # released slots' flags copied out and zeroed before their next owner's rows
         readback = self.readback
         readback.score_rows = []
-        if not any(plans):
+        if not plans.any_kind & PLANNED:
             self.result_flags.clear()
             self.steering.clear()
-            self.patches.plan((), None, None, None)
-            captures = self.capture.plan((), None, None, None)
+            self.patches.plan(None, None, None, None)
+            captures = self.capture.plan(None, None, None, None)
             if query_start[n] == n:
                 self._steady = SteadyStep(tuple(req_ids), num_rows, None, False)
             return captures
@@ -340,35 +360,23 @@ class InterpState:
         self.patches.plan(plans, starts, computed, row_of)
         readback.plan(plans, starts, computed)
         if self.kept_kv.keeping:
-            self.kept_kv.plan_out(view, plans, starts, computed)
+            self.kept_kv.plan_out(view, plans.plans, starts, computed)
         num_tokens = int(starts[n])
         self.steering.plan(plans, starts, computed, num_rows, num_tokens, row_of)
-        self.result_flags.plan(plans, starts, computed, num_rows, num_tokens, row_of)
+        packed = [(i, plans.plans[i]) for i in plans.where(CELLS)]
+        self.result_flags.plan(plans.flag_slot, packed, starts, computed, num_rows, num_tokens, row_of)
         captures = self.capture.plan(plans, starts, computed, row_of)
         if num_tokens == n and self._repeats_next_step(plans, computed, captures):
             self._steady = SteadyStep(tuple(req_ids), num_rows, self.steering.held_slots(n), True)
         return captures
 
-    def _repeats_next_step(self, plans, computed, captures: bool) -> bool:
+    def _repeats_next_step(self, plans: BatchPlans, computed, captures: bool) -> bool:
         """Whether a next step of the same requests, one generated token each, needs exactly this step's
         buffers: every row already a generated token (decode slots), no scores, patches or captures now or
-        later."""
+        later (each request past its last position with such work: ``BatchPlans.quiet``)."""
         if captures or self.capture.pending or self.patches.active or self.readback.score_rows:
             return False
-        for plan, done in zip(plans, computed.tolist()):
-            if plan is None:
-                continue
-            if done < plan.prompt_len:
-                return False
-            if plan.patch is not None and plan.patch.hi >= done:
-                return False
-            for group in plan.capture_groups:
-                if group.generated or group.hi >= done:
-                    return False
-            for group in plan.keep:
-                if group.hi >= done:
-                    return False
-        return True
+        return bool((computed > plans.quiet).all())
 
     def after_forward(self) -> None:
         """Keep this step's captured rows (on the device; read back in bulk); copy its kept rows into the bank,

@@ -19,6 +19,8 @@ import torch
 import interp_runner_kernels as kernels
 from interp_runner.contracts import DECODE, PREFILL, Steer
 
+from interp_runner.plugin.batch_plans import STEER, BatchPlans
+
 GATHER_BYTES = 64 << 20  # the largest step gather (every steered site's rows at once) made outside CUDA graphs
 
 
@@ -151,25 +153,22 @@ class SteeringTable:
             self._idle[key] = self._in_use.pop(key)
 
     # -- per step -----------------------------------------------------------------------------------
-    def plan(self, plans, starts: np.ndarray, computed: np.ndarray, num_rows: int, num_tokens: int,
+    def plan(self, plans: BatchPlans, starts: np.ndarray, computed: np.ndarray, num_rows: int, num_tokens: int,
              row_of: np.ndarray | None) -> None:
         """Write each row's slot: its request's prefill slot for prompt positions, decode slot after."""
         self._step_gather = None  # made from this step's slots, should the step steer outside the graphs
-        if any(p is not None and p.steer_key is not None for p in plans):
-            n = len(starts) - 1
-            counts = np.diff(starts)
-            owner = np.repeat(np.arange(n), counts)
-            positions = computed[owner] + np.arange(num_tokens) - starts[owner]
-            prompt_len = np.array([p.prompt_len if p else 0 for p in plans], dtype=np.int64)
-            prefill = np.array([p.prefill_slot if p else 0 for p in plans], dtype=np.int64)
-            decode = np.array([p.decode_slot if p else 0 for p in plans], dtype=np.int64)
+        if plans.any_kind & STEER:
+            counts = starts[1:] - starts[:-1]
             slots = np.zeros(num_rows, dtype=np.int64)
-            slots[:num_tokens] = np.where(
-                positions < prompt_len[owner], prefill[owner], decode[owner]
-            )
+            slots[:num_tokens] = np.repeat(plans.decode, counts)
+            prompt_rows = plans.prompt_len - computed  # a request's rows before its first generated token
+            for i in np.flatnonzero(prompt_rows > 0).tolist():  # the few requests still in their prompt
+                first = int(starts[i])
+                slots[first : first + min(int(prompt_rows[i]), int(counts[i]))] = plans.prefill[i]
             if row_of is not None:
                 slots[row_of] = slots[:num_tokens].copy()
-            if isinstance(self._row_slots, np.ndarray) and np.array_equal(self._row_slots, slots):
+            held = self._row_slots
+            if isinstance(held, np.ndarray) and held.tobytes() == slots.tobytes():
                 pass  # the buffer already holds these slots (steady decode of the same batch)
             else:
                 self._staging.upload(slots, into=self.row_slot[:num_rows])
