@@ -5,7 +5,8 @@ prompt arriving, prefilled in chunks of 200 tokens beside the others' decodes. E
 Conditions: ``plain`` (no payloads), ``steer`` (every request steered at post_block of every layer, one of 4
 vectors), ``capture4`` (every request captures its last prompt position at 4 layers). Per condition, µs a step of
 ``before_forward`` + ``after_forward`` (``planner``) and of ``plan_sequences`` (``seq``, called first each step by the
-runners), median and mean, for decode-only steps and steps with a prompt chunk. Uploads go through a staging ring
+runners), median and mean, for decode-only steps and steps with a prompt chunk; and of the read-back of a finished
+request's results (``collect``, between steps). Uploads go through a staging ring
 (``staging.PinnedRing``) as on a GPU, here in plain host memory.
 
     python bench/planner_steps.py                   # about 20 s
@@ -65,14 +66,15 @@ def payload(condition: str, rid: str, k: int) -> RequestPayload | None:
 
 def steps(count: int, every: int, seed: int = 0):
     """Per step: its (request id, first position, rows) in batch order (a leaving request's place taken by the
-    last, as vLLM's V1 batch condenses; a new one appended), and the ids of the requests alive."""
+    last, as vLLM's V1 batch condenses; a new one appended), and the request that left before it (or None)."""
     rng = np.random.default_rng(seed)
     batch = [[f"r{i}", PROMPT + int(rng.integers(OUTPUT)), 0] for i in range(LIVE)]  # rid, computed, serial
     made = LIVE
     for index in range(count):
+        gone = None
         if index % every == 0:
-            gone = int(rng.integers(len(batch)))
-            batch[gone] = batch[-1]
+            at = int(rng.integers(len(batch)))
+            gone, batch[at] = batch[at][0], batch[-1]
             batch.pop()
             batch.append([f"r{made}", 0, made])
             made += 1
@@ -81,7 +83,7 @@ def steps(count: int, every: int, seed: int = 0):
             rows = min(CHUNK, PROMPT - entry[1]) if entry[1] < PROMPT else 1
             step.append((entry[0], entry[1], rows))
             entry[1] += rows
-        yield step
+        yield step, gone
 
 
 def buffers_digest(state: InterpState, rows: int) -> bytes:
@@ -96,12 +98,18 @@ def buffers_digest(state: InterpState, rows: int) -> bytes:
 def run(condition: str, count: int, warm: int, every: int, check: bool) -> dict:
     state = make_state(2 if check else 1)
     requests: dict = {}
-    seen: list[str] = []
+    seen, results = [], {}  # the requests, and their results as read back
     times = {"decode": [], "chunk": []}
     seq_times = {"decode": [], "chunk": []}
+    collect_times = []
     digest = hashlib.blake2b(digest_size=8)
     clock = time.perf_counter_ns
-    for index, step in enumerate(steps(warm + count, every)):
+    for index, (step, gone) in enumerate(steps(warm + count, every)):
+        if gone is not None:  # its results read back, as a server does once it finished
+            t0 = clock()
+            state.finished([gone])
+            results.update(state.collect([gone]))
+            collect_times.append((clock() - t0) / 1e3)
         for rid, first, _ in step:
             if rid not in requests:
                 requests[rid] = stand_in.request(payload(condition, rid, int(rid[1:])), PROMPT)
@@ -123,9 +131,11 @@ def run(condition: str, count: int, warm: int, every: int, check: bool) -> dict:
             kind = "decode" if rows == len(step) else "chunk"
             times[kind].append((t2 - t1) / 1e3)
             seq_times[kind].append((t1 - t0) / 1e3)
-    out = {"times": times, "seq": seq_times}
+    out = {"times": times, "seq": seq_times, "collect": collect_times[warm // every :]}
     if check:  # and what the requests' results hold
-        for rid, result in sorted(state.collect(seen).items()):
+        results.update(state.collect([r for r in seen if r not in results]))
+        for rid, result in sorted(results.items()):
+            digest.update(f"{rid} {result['nonfinite']} {result['void']}".encode())
             for site, (positions, values) in sorted(result["captures"].items()):
                 digest.update(f"{rid} {site} {positions.tolist()} {values.shape}".encode())
         out["digest"] = digest.hexdigest() + " " + state.checksum()["digest"][:16]
@@ -148,6 +158,8 @@ def main() -> None:
             seq = out["seq"][kind]
             print(f"{condition:<10} {kind:>10} {len(values):>5} {statistics.median(values):>10.1f} "
                   f"{statistics.fmean(values):>9.1f} {statistics.median(seq):>8.1f} {statistics.fmean(seq):>8.1f}")
+        print(f"{condition:<10} {'collect':>10} {len(out['collect']):>5} {statistics.median(out['collect']):>10.1f} "
+              f"{statistics.fmean(out['collect']):>9.1f}")
         if args.check:
             print(f"{condition:<10} digest {out['digest']}")
 

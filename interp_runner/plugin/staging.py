@@ -21,30 +21,44 @@ class PinnedRing:
         # on the host even where the engine sets a default device for model construction
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu",
                                   pin_memory=nbytes > 0 and device.type == "cuda")
+        self.nbytes = nbytes
         self.offset = 0
         self.wraps = 0
         self._synchronize = synchronize or (lambda: torch.cuda.current_stream().synchronize())
+        self._typed: dict[np.dtype, tuple[np.ndarray, torch.Tensor]] = {}  # the whole buffer as each dtype
 
     @classmethod
     def for_device(cls, device: torch.device) -> PinnedRing:
         """The planner's ring: ``STAGING_BYTES`` on a CUDA device, none (plain copies) elsewhere."""
         return cls(STAGING_BYTES if device.type == "cuda" else 0, device)
 
+    def _views(self, dtype: np.dtype) -> tuple[np.ndarray, torch.Tensor]:
+        views = self._typed.get(dtype)
+        if views is None:
+            torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+            whole = self.buffer[: self.nbytes - self.nbytes % dtype.itemsize]
+            views = self._typed[dtype] = (whole.numpy().view(dtype), whole.view(torch_dtype))
+        return views
+
     def upload(self, array: np.ndarray, into: torch.Tensor | None = None) -> torch.Tensor:
         """``array`` on the device: a new tensor, or copied into ``into`` (same number of elements)."""
         array = np.ascontiguousarray(array)
-        size = -(-array.nbytes // self.ALIGN) * self.ALIGN
-        if size > self.buffer.numel():  # larger than the ring (or no ring): a plain copy
+        nbytes = array.nbytes
+        size = -(-nbytes // self.ALIGN) * self.ALIGN
+        if size > self.nbytes:  # larger than the ring (or no ring): a plain copy
             host = torch.from_numpy(array if array.flags.writeable else array.copy())
             return host.to(self.device) if into is None else into.copy_(host.view(into.shape))
-        if self.offset + size > self.buffer.numel():
+        if self.offset + size > self.nbytes:
             self._synchronize()  # every copy out of the ring has run: its start may be rewritten
             self.offset = 0
             self.wraps += 1
-        part = self.buffer[self.offset : self.offset + array.nbytes]
+        # the array's bytes at the offset (aligned: a whole number of its elements), through views made once
+        as_numpy, as_torch = self._views(array.dtype)
+        start = self.offset // array.itemsize
+        end = start + array.size
         self.offset += size
-        host = part.view(torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype).view(array.shape)
-        host.numpy()[...] = array
+        as_numpy[start:end] = array.reshape(-1)
+        host = as_torch[start:end]
         if into is not None:
-            return into.copy_(host.view(into.shape), non_blocking=True)
-        return host.to(self.device, non_blocking=True)
+            return into.copy_(host if into.dim() == 1 else host.view(into.shape), non_blocking=True)
+        return (host if array.ndim == 1 else host.view(array.shape)).to(self.device, non_blocking=True)
