@@ -7,7 +7,7 @@ vectors), ``capture4`` (every request captures its last prompt position at 4 lay
 ``before_forward`` + ``after_forward`` (``planner``) and of ``plan_sequences`` (``seq``, called first each step by the
 runners), median and mean, for decode-only steps and steps with a prompt chunk; and of the read-back of a finished
 request's results (``collect``, between steps). Uploads go through a staging ring
-(``staging.PinnedRing``) as on a GPU, here in plain host memory.
+(``staging.PinnedRing``) as on a GPU, here in plain host memory (``--no-ring``: plain copies, as on a CPU).
 
     python bench/planner_steps.py                   # about 20 s
     python bench/planner_steps.py --check           # a digest of every step's buffers and of the rank checksum
@@ -44,12 +44,12 @@ SITES = [site_id(layer, "post_block") for layer in range(LAYERS)]
 CAPTURED = tuple(SITES[i] for i in (0, 10, 20, 29))
 
 
-def make_state(ranks: int) -> InterpState:
+def make_state(ranks: int, ring: bool) -> InterpState:
     cfg = NS(model_config=NS(hf_text_config=NS(hidden_size=HIDDEN), dtype=torch.float32),
              scheduler_config=NS(max_num_batched_tokens=2048, max_num_seqs=LIVE), parallel_config=NS(world_size=ranks))
-    ring = PinnedRing(STAGING_BYTES, torch.device("cpu"), synchronize=lambda: None)  # the GPU's path, on the host
+    staging = PinnedRing(STAGING_BYTES if ring else 0, torch.device("cpu"), synchronize=lambda: None)
     with mock.patch.object(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 0), \
-            mock.patch.object(PinnedRing, "for_device", lambda device: ring):
+            mock.patch.object(PinnedRing, "for_device", lambda device: staging):
         state = InterpState(cfg, {"plugin": "bench", "steer_sites": SITES, "capture_sites": SITES})
     rng = np.random.default_rng(0)
     state.register_vectors({f"v{k}": rng.standard_normal(HIDDEN).astype(np.float32).tobytes() for k in range(4)})
@@ -95,8 +95,8 @@ def buffers_digest(state: InterpState, rows: int) -> bytes:
     return b"".join(p.numpy().tobytes() for p in parts)
 
 
-def run(condition: str, count: int, warm: int, every: int, check: bool) -> dict:
-    state = make_state(2 if check else 1)
+def run(condition: str, count: int, warm: int, every: int, check: bool, ring: bool = True) -> dict:
+    state = make_state(2 if check else 1, ring)
     requests: dict = {}
     seen, results = [], {}  # the requests, and their results as read back
     times = {"decode": [], "chunk": []}
@@ -149,11 +149,12 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=40)
     parser.add_argument("--every", type=int, default=4, help="steps between a request leaving and one arriving")
     parser.add_argument("--check", action="store_true", help="print digests of the buffers and the checksum")
+    parser.add_argument("--no-ring", action="store_true", help="plain copies, as a CPU engine makes them")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{'condition':<10} {'steps':>10} {'n':>5} {'median µs':>10} {'mean µs':>9} {'seq med':>8} {'seq mean':>8}")
     for condition in args.conditions.split(","):
-        out = run(condition, args.steps, args.warm, args.every, args.check)
+        out = run(condition, args.steps, args.warm, args.every, args.check, not args.no_ring)
         for kind, values in out["times"].items():
             seq = out["seq"][kind]
             print(f"{condition:<10} {kind:>10} {len(values):>5} {statistics.median(values):>10.1f} "

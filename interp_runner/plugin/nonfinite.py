@@ -27,6 +27,8 @@ import contextlib
 import numpy as np
 import torch
 
+from interp_runner.plugin.staging import Prefixes
+
 
 Entries = tuple[list[str], np.ndarray, np.ndarray]  # released requests: rids, own slot and cell slot indices
 
@@ -34,6 +36,7 @@ Entries = tuple[list[str], np.ndarray, np.ndarray]  # released requests: rids, o
 class ResultFlags:
     def __init__(self, max_rows: int, device, staging, is_result_rank: bool):
         self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self._row_heads = Prefixes(self.row_slot)
         num_slots = 2 * max_rows  # far more than the requests and cells an engine holds at once
         self.flags = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self._free = list(range(num_slots - 1, 0, -1))
@@ -166,7 +169,7 @@ class ResultFlags:
         held = self._row_slots
         if isinstance(held, np.ndarray) and held.tobytes() == slots.tobytes():
             return  # the buffer already holds these slots
-        self._staging.upload(slots, into=self.row_slot[:num_rows])
+        self._staging.upload(slots, into=self._row_heads[num_rows])
         self._row_slots = slots
 
     def clear(self) -> None:

@@ -62,3 +62,20 @@ class PinnedRing:
         if into is not None:
             return into.copy_(host if into.dim() == 1 else host.view(into.shape), non_blocking=True)
         return (host if array.ndim == 1 else host.view(array.shape)).to(self.device, non_blocking=True)
+
+
+class Prefixes:
+    """A buffer's first ``n`` entries (``prefixes[n]``), each view made once: a step's rows are uploaded into one
+    without a slicing call each step."""
+
+    __slots__ = ("buffer", "_views")
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self._views: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, n: int) -> torch.Tensor:
+        view = self._views.get(n)
+        if view is None:
+            view = self._views[n] = self.buffer[:n]
+        return view

@@ -20,6 +20,7 @@ import interp_runner_kernels as kernels
 from interp_runner.contracts import DECODE, PREFILL, Steer
 
 from interp_runner.plugin.batch_plans import STEER, BatchPlans
+from interp_runner.plugin.staging import Prefixes
 
 GATHER_BYTES = 64 << 20  # the largest step gather (every steered site's rows at once) made outside CUDA graphs
 
@@ -41,6 +42,7 @@ class SteeringTable:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self._row_heads = Prefixes(self.row_slot)
         self.table = torch.zeros((max(len(sites), 1), num_slots, hidden_size), dtype=dtype, device=device)
         self._site_tables = list(self.table)  # one view per site, made once
         self._step_gather: torch.Tensor | None = None  # this step's rows of every site's table (``steer``)
@@ -162,16 +164,17 @@ class SteeringTable:
             slots = np.zeros(num_rows, dtype=np.int64)
             slots[:num_tokens] = np.repeat(plans.decode, counts)
             prompt_rows = plans.prompt_len - computed  # a request's rows before its first generated token
-            for i in np.flatnonzero(prompt_rows > 0).tolist():  # the few requests still in their prompt
-                first = int(starts[i])
-                slots[first : first + min(int(prompt_rows[i]), int(counts[i]))] = plans.prefill[i]
+            if prompt_rows.max() > 0:
+                for i in np.flatnonzero(prompt_rows > 0).tolist():  # the few requests still in their prompt
+                    first = int(starts[i])
+                    slots[first : first + min(int(prompt_rows[i]), int(counts[i]))] = plans.prefill[i]
             if row_of is not None:
                 slots[row_of] = slots[:num_tokens].copy()
             held = self._row_slots
             if isinstance(held, np.ndarray) and held.tobytes() == slots.tobytes():
                 pass  # the buffer already holds these slots (steady decode of the same batch)
             else:
-                self._staging.upload(slots, into=self.row_slot[:num_rows])
+                self._staging.upload(slots, into=self._row_heads[num_rows])
             self._row_slots = slots
             self._fold(b"steer", slots[:num_tokens])
         else:
