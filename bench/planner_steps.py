@@ -6,8 +6,8 @@ Conditions: ``plain`` (no payloads), ``steer`` (every request steered at post_bl
 vectors), ``capture4`` (every request captures its last prompt position at 4 layers). Per condition, µs a step of
 ``before_forward`` + ``after_forward`` (``planner``) and of ``plan_sequences`` (``seq``, called first each step by the
 runners), median and mean, for decode-only steps and steps with a prompt chunk; and of the read-back of a finished
-request's results (``collect``, between steps). Uploads go through a staging ring
-(``staging.PinnedRing``) as on a GPU, here in plain host memory (``--no-ring``: plain copies, as on a CPU).
+request's results (``collect``, between steps). Uploads go through a staging ring (``staging.PinnedRing``) as on a
+GPU, here in plain host memory (``--no-ring``: plain copies, as on a CPU).
 
     python bench/planner_steps.py                   # about 20 s
     python bench/planner_steps.py --check           # a digest of every step's buffers and of the rank checksum
@@ -68,7 +68,7 @@ def steps(count: int, every: int, seed: int = 0):
     """Per step: its (request id, first position, rows) in batch order (a leaving request's place taken by the
     last, as vLLM's V1 batch condenses; a new one appended), and the request that left before it (or None)."""
     rng = np.random.default_rng(seed)
-    batch = [[f"r{i}", PROMPT + int(rng.integers(OUTPUT)), 0] for i in range(LIVE)]  # rid, computed, serial
+    batch = [[f"r{i}", PROMPT + int(rng.integers(OUTPUT))] for i in range(LIVE)]  # request id, tokens computed
     made = LIVE
     for index in range(count):
         gone = None
@@ -76,12 +76,10 @@ def steps(count: int, every: int, seed: int = 0):
             at = int(rng.integers(len(batch)))
             gone, batch[at] = batch[at][0], batch[-1]
             batch.pop()
-            batch.append([f"r{made}", 0, made])
+            batch.append([f"r{made}", 0])
             made += 1
-        step = []
-        for entry in batch:
-            rows = min(CHUNK, PROMPT - entry[1]) if entry[1] < PROMPT else 1
-            step.append((entry[0], entry[1], rows))
+        step = [(rid, done, min(CHUNK, PROMPT - done) if done < PROMPT else 1) for rid, done in batch]
+        for entry, (_, _, rows) in zip(batch, step):
             entry[1] += rows
         yield step, gone
 
@@ -90,33 +88,31 @@ def buffers_digest(state: InterpState, rows: int) -> bytes:
     """What the ops read this step: each row's steering and flag slots, the capture rows and counts."""
     cap = state.capture
     parts = [state.steering.row_slot[:rows], state.result_flags.row_slot[:rows], cap.cap_count]
-    parts += [cap.cap_src[k, : int(c)] for k, c in enumerate(cap.cap_count.tolist())]
-    parts += [cap.cap_dest[k, : int(c)] for k, c in enumerate(cap.cap_count.tolist())]
+    for k, c in enumerate(cap.cap_count.tolist()):
+        parts += [cap.cap_src[k, :c], cap.cap_dest[k, :c]]
     return b"".join(p.numpy().tobytes() for p in parts)
 
 
 def run(condition: str, count: int, warm: int, every: int, check: bool, ring: bool = True) -> dict:
+    """µs per step (``decode``, ``chunk``, their ``seq``) and per read-back (``collect``); with ``check``, a digest."""
     state = make_state(2 if check else 1, ring)
-    requests: dict = {}
-    seen, results = [], {}  # the requests, and their results as read back
-    times = {"decode": [], "chunk": []}
-    seq_times = {"decode": [], "chunk": []}
-    collect_times = []
+    requests, seen, results = {}, [], {}  # the live requests, every request, their results as read back
+    times = {key: [] for key in ("decode", "chunk", "seq decode", "seq chunk", "collect")}
     digest = hashlib.blake2b(digest_size=8)
     clock = time.perf_counter_ns
     for index, (step, gone) in enumerate(steps(warm + count, every)):
+        timed = index >= warm
         if gone is not None:  # its results read back, as a server does once it finished
             t0 = clock()
             state.finished([gone])
             results.update(state.collect([gone]))
-            collect_times.append((clock() - t0) / 1e3)
-        for rid, first, _ in step:
+            requests.pop(gone, None)
+            if timed:
+                times["collect"].append((clock() - t0) / 1e3)
+        for rid, _, _ in step:
             if rid not in requests:
                 requests[rid] = stand_in.request(payload(condition, rid, int(rid[1:])), PROMPT)
                 seen.append(rid)
-        alive = {rid for rid, _, _ in step}
-        for rid in [r for r in requests if r not in alive]:
-            del requests[rid]
         view = stand_in.runner(requests, step)
         rows = sum(r for _, _, r in step)
         t0 = clock()
@@ -127,19 +123,18 @@ def run(condition: str, count: int, warm: int, every: int, check: bool, ring: bo
         t2 = clock()
         if check:
             digest.update(buffers_digest(state, rows))
-        if index >= warm:
+        if timed:
             kind = "decode" if rows == len(step) else "chunk"
             times[kind].append((t2 - t1) / 1e3)
-            seq_times[kind].append((t1 - t0) / 1e3)
-    out = {"times": times, "seq": seq_times, "collect": collect_times[warm // every :]}
+            times["seq " + kind].append((t1 - t0) / 1e3)
     if check:  # and what the requests' results hold
         results.update(state.collect([r for r in seen if r not in results]))
         for rid, result in sorted(results.items()):
             digest.update(f"{rid} {result['nonfinite']} {result['void']}".encode())
             for site, (positions, values) in sorted(result["captures"].items()):
                 digest.update(f"{rid} {site} {positions.tolist()} {values.shape}".encode())
-        out["digest"] = digest.hexdigest() + " " + state.checksum()["digest"][:16]
-    return out
+        times["digest"] = digest.hexdigest() + " " + state.checksum()["digest"][:16]
+    return times
 
 
 def main() -> None:
@@ -152,17 +147,15 @@ def main() -> None:
     parser.add_argument("--no-ring", action="store_true", help="plain copies, as a CPU engine makes them")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"{'condition':<10} {'steps':>10} {'n':>5} {'median µs':>10} {'mean µs':>9} {'seq med':>8} {'seq mean':>8}")
+    print(f"{'condition':<10} {'µs of':>10} {'n':>5} {'median':>8} {'mean':>8}")
     for condition in args.conditions.split(","):
         out = run(condition, args.steps, args.warm, args.every, args.check, not args.no_ring)
-        for kind, values in out["times"].items():
-            seq = out["seq"][kind]
-            print(f"{condition:<10} {kind:>10} {len(values):>5} {statistics.median(values):>10.1f} "
-                  f"{statistics.fmean(values):>9.1f} {statistics.median(seq):>8.1f} {statistics.fmean(seq):>8.1f}")
-        print(f"{condition:<10} {'collect':>10} {len(out['collect']):>5} {statistics.median(out['collect']):>10.1f} "
-              f"{statistics.fmean(out['collect']):>9.1f}")
-        if args.check:
-            print(f"{condition:<10} digest {out['digest']}")
+        digest = out.pop("digest", None)
+        for key, values in out.items():
+            print(f"{condition:<10} {key:>10} {len(values):>5} {statistics.median(values):>8.1f} "
+                  f"{statistics.fmean(values):>8.1f}")
+        if digest:
+            print(f"{condition:<10} digest {digest}")
 
 
 if __name__ == "__main__":
