@@ -88,7 +88,7 @@ class BatchPlans:
     def __init__(self, req_ids: tuple, plans: list, rows: np.ndarray, columns: RequestColumns, epoch: int = -1):
         self.req_ids, self.plans, self.epoch = req_ids, plans, epoch
         (self.kinds, self.prompt_len, self.prefill, self.decode, self.flag_slot, self.quiet, self.cap_lo,
-         self.cap_hi) = columns.data[:, rows]
+         self.cap_hi) = columns.data.take(rows, axis=1)
         self.any_kind = int(np.bitwise_or.reduce(self.kinds)) if len(rows) else 0
 
     @classmethod
@@ -108,5 +108,5 @@ class BatchPlans:
         """The batch indices of the requests whose capture or keep groups may copy rows of this step."""
         if not self.any_kind & CAPTURE:
             return []
-        end = computed + np.diff(starts)
+        end = computed + (starts[1:] - starts[:-1])
         return np.flatnonzero((self.kinds & CAPTURE != 0) & (computed <= self.cap_hi) & (end > self.cap_lo)).tolist()

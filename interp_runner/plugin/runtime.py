@@ -25,8 +25,8 @@ extension in ``worker`` (re-exported here: vLLM loads it by this module's path).
 from __future__ import annotations
 
 import weakref
-from itertools import filterfalse
 from dataclasses import dataclass
+from itertools import filterfalse
 from typing import NamedTuple
 
 import numpy as np
