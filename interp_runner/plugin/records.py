@@ -2,8 +2,9 @@
 
 The components of the engine-side state (``runtime.InterpState``) each read their part of a plan: the steering
 table its slots, the capture buffer its capture and keep groups, the patch rows its entries, the packed-sequence
-planner its cells. The parts a step reads for every request are slotted dataclasses: the planner's per-request
-loops read their fields by name, and a slot is the fastest read.
+planner its cells. The fields a step reads of every request are gathered as columns once per batch
+(``batch_plans``); the parts read in the components' per-request loops are slotted dataclasses, whose fields are
+the fastest read by name.
 """
 
 from __future__ import annotations

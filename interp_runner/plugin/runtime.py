@@ -17,8 +17,9 @@ a step:
 - ``staging.PinnedRing``: host arrays to the device without a wait.
 
 ``InterpState`` composes them: it admits each new request (its payload becomes a ``records.RequestPlan``, each
-component taking its part), releases finished ones, and calls the components in order each step. It reads the model
-runner only through a ``runner_view.RunnerView``; the runner's patches are in ``runner_patches``, the worker
+component taking its part), releases finished ones, and calls the components in order each step with the batch's
+plans (``batch_plans.BatchPlans``, made once per batch: the same requests in the same order reuse it). It reads the
+model runner only through a ``runner_view.RunnerView``; the runner's patches are in ``runner_patches``, the worker
 extension in ``worker`` (re-exported here: vLLM loads it by this module's path).
 """
 
