@@ -153,8 +153,9 @@ class ResultFlags:
              num_tokens: int, row_of: np.ndarray | None) -> None:
         """Write each row's slot: its request's (``flag_slots``, one per request), or for a packed request's segment
         rows its cell's (``packed``: (batch index, plan) of each packed request)."""
-        slots = np.zeros(num_rows, dtype=np.int64)
-        slots[:num_tokens] = np.repeat(flag_slots, starts[1:] - starts[:-1])
+        slots = np.repeat(np.asarray(flag_slots, dtype=np.int64), starts[1:] - starts[:-1])
+        if num_rows > num_tokens:  # padding rows: slot 0
+            slots = np.concatenate((slots, np.zeros(num_rows - num_tokens, dtype=np.int64)))
         for i, plan in packed:
             cells = plan.cells
             if plan.flag_slot == 0:

@@ -161,8 +161,9 @@ class SteeringTable:
         self._step_gather = None  # made from this step's slots, should the step steer outside the graphs
         if plans.any_kind & STEER:
             counts = starts[1:] - starts[:-1]
-            slots = np.zeros(num_rows, dtype=np.int64)
-            slots[:num_tokens] = np.repeat(plans.decode, counts)
+            slots = np.repeat(plans.decode, counts)
+            if num_rows > num_tokens:  # padding rows: slot 0
+                slots = np.concatenate((slots, np.zeros(num_rows - num_tokens, dtype=np.int64)))
             prompt_rows = plans.prompt_len - computed  # a request's rows before its first generated token
             if prompt_rows.max() > 0:
                 for i in np.flatnonzero(prompt_rows > 0).tolist():  # the few requests still in their prompt
