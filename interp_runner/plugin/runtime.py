@@ -99,6 +99,16 @@ class SteadyStep:
     applied: bool  # whether it counts as a step that applied something
 
 
+class DecodeStep(NamedTuple):
+    """A planned step of one token a request: the next step may repeat it (``InterpState._repeats_next_step``,
+    asked only once a next step of the same requests comes)."""
+
+    plans: BatchPlans
+    computed: np.ndarray
+    num_rows: int
+    busy: bool  # it captures, patches or scores: a next step needs buffers of its own
+
+
 class InterpState:
     """One engine's interp state on a worker (shared by its instrumented layers): see the module's docstring."""
 
@@ -145,6 +155,7 @@ class InterpState:
         self._batch: BatchPlans | None = None  # the last step's
         self._packed: set[str] = set()  # worker ids of the admitted packed requests
         self._steady: SteadyStep | None = None
+        self._last_decode: DecodeStep | None = None
         # a step run layer by layer (``skipping.run_layers``): the sites whose op has work in it, called directly
         self.direct_sites: frozenset[int] | None = None
         # the op's parts, bound once
@@ -331,8 +342,16 @@ class InterpState:
         batch = view.batch()
         n, req_ids, query_start = batch.num_reqs, batch.req_ids, batch.query_start
         steady, self._steady = self._steady, None
-        if steady is not None and num_rows == steady.num_rows and query_start[n] == n \
-                and steady.req_ids == tuple(req_ids):
+        last, self._last_decode = self._last_decode, None
+        if last is not None and num_rows == last.num_rows and query_start[n] == n \
+                and last.plans.req_ids == tuple(req_ids) \
+                and self._repeats_next_step(last.plans, last.computed, last.busy):
+            # a planned step of the same requests, its buffers still held
+            steady = SteadyStep(last.plans.req_ids, num_rows, self.steering.held_slots(n), True)
+        elif steady is not None and not (num_rows == steady.num_rows and query_start[n] == n
+                                         and steady.req_ids == tuple(req_ids)):
+            steady = None
+        if steady is not None:
             # the same requests, one generated token each, nothing but steering (or nothing) left to apply:
             # the buffers already hold this step
             self.rank_checksum.steps += steady.applied
@@ -367,17 +386,17 @@ class InterpState:
         packed = [(i, plans.plans[i]) for i in plans.where(CELLS)]
         self.result_flags.plan(plans.flag_slot, packed, starts, computed, num_rows, num_tokens, row_of)
         captures = self.capture.plan(plans, starts, computed, row_of)
-        if num_tokens == n and self._repeats_next_step(plans, computed, captures):
-            self._steady = SteadyStep(tuple(req_ids), num_rows, self.steering.held_slots(n), True)
+        if num_tokens == n:
+            busy = captures or self.capture.pending or self.patches.active or bool(readback.score_rows)
+            self._last_decode = DecodeStep(plans, computed, num_rows, busy)
         return captures
 
-    def _repeats_next_step(self, plans: BatchPlans, computed, captures: bool) -> bool:
-        """Whether a next step of the same requests, one generated token each, needs exactly this step's
-        buffers: every row already a generated token (decode slots), no scores, patches or captures now or
-        later (each request past its last position with such work: ``BatchPlans.quiet``)."""
-        if captures or self.capture.pending or self.patches.active or self.readback.score_rows:
-            return False
-        return bool((computed > plans.quiet).all())
+    def _repeats_next_step(self, plans: BatchPlans, computed, busy: bool) -> bool:
+        """Whether a next step of the same requests, one generated token each, needs exactly the buffers of a
+        step (``plans``, ``computed``) that did not capture, patch or score (``busy``): every row already a
+        generated token (decode slots), no scores, patches or captures later (each request past its last position
+        with such work: ``BatchPlans.quiet``)."""
+        return not busy and bool((computed > plans.quiet).all())
 
     def after_forward(self) -> None:
         """Keep this step's captured rows (on the device; read back in bulk); copy its kept rows into the bank,
