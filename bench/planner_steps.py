@@ -5,8 +5,9 @@ prompt arriving, prefilled in chunks of 200 tokens beside the others' decodes. E
 Conditions: ``plain`` (no payloads), ``steer`` (every request steered at post_block of every layer, one of 4
 vectors), ``capture4`` (every request captures its last prompt position at 4 layers). Per condition, µs a step of
 ``before_forward`` + ``after_forward`` (``planner``) and of ``plan_sequences`` (``seq``, called first each step by the
-runners), median and mean, for decode-only steps and steps with a prompt chunk; and of the read-back of a finished
-request's results (``collect``, between steps). Uploads go through a staging ring (``staging.PinnedRing``) as on a
+runners), median and mean, for decode-only steps and steps with a prompt chunk; of the ops at all 30 sites in a
+decode step run outside CUDA graphs (``ops decode``: on the CPU, their adds' own work included); and of the read-back
+of a finished request's results (``collect``, between steps). Uploads go through a staging ring (``staging.PinnedRing``) as on a
 GPU, here in plain host memory (``--no-ring``: plain copies, as on a CPU).
 
     python bench/planner_steps.py                   # about 20 s
@@ -97,7 +98,7 @@ def run(condition: str, count: int, warm: int, every: int, check: bool, ring: bo
     """µs per step (``decode``, ``chunk``, their ``seq``) and per read-back (``collect``); with ``check``, a digest."""
     state = make_state(2 if check else 1, ring)
     requests, seen, results = {}, [], {}  # the live requests, every request, their results as read back
-    times = {key: [] for key in ("decode", "chunk", "seq decode", "seq chunk", "collect")}
+    times = {key: [] for key in ("decode", "chunk", "seq decode", "seq chunk", "ops decode", "collect")}
     digest = hashlib.blake2b(digest_size=8)
     clock = time.perf_counter_ns
     for index, (step, gone) in enumerate(steps(warm + count, every)):
@@ -119,8 +120,16 @@ def run(condition: str, count: int, warm: int, every: int, check: bool, ring: bo
         state.plan_sequences(view)
         t1 = clock()
         state.before_forward(view, rows)
-        state.after_forward()
         t2 = clock()
+        if timed and rows == len(step):  # the ops of a decode step run outside CUDA graphs, every site
+            x = torch.zeros(rows, HIDDEN)
+            t3 = clock()
+            for site in SITES:
+                state.apply_site(x, None, site)
+            times["ops decode"].append((clock() - t3) / 1e3)
+        t4 = clock()
+        state.after_forward()
+        t2 += clock() - t4
         if check:
             digest.update(buffers_digest(state, rows))
         if timed:

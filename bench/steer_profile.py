@@ -23,7 +23,7 @@ def planner_profile(llm, plan, engine, generate) -> dict:
 def breakdown(results: list[dict]) -> str:
     """Per interp engine and condition: the median collection time of the timed runs, and the profiled run's
     milliseconds per call kind, summed over steps, on the result rank (rank 0) and the slowest other rank."""
-    keys = ("planner", "after_forward", "execute_model", "sample_tokens", "collect", "send_results")
+    keys = ("planner", "after_forward", "site_ops", "execute_model", "sample_tokens", "collect", "send_results")
     lines = ["where the time goes (ms): the host's collect call (median of the timed runs); then, in one profiled run,",
              "each worker call kind summed over steps (rank 0 / slowest other rank)",
              f"{'model':<20}{'condition':<10}{'host':>9}  " + "  ".join(f"{k:>19}" for k in keys)]

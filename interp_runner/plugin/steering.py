@@ -45,7 +45,7 @@ class SteeringTable:
         self._row_heads = Prefixes(self.row_slot)
         self.table = torch.zeros((max(len(sites), 1), num_slots, hidden_size), dtype=dtype, device=device)
         self._site_tables = list(self.table)  # one view per site, made once
-        self._step_gather: torch.Tensor | None = None  # this step's rows of every site's table (``steer``)
+        self._step_gather: tuple[torch.Tensor, ...] | None = None  # this step's rows of each site's table (``steer``)
         self.vectors: dict[str, np.ndarray] = {}
         self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
         self._free_slots = list(range(num_slots - 1, 0, -1))
@@ -70,19 +70,20 @@ class SteeringTable:
         if eager:
             gathered = self._gathered(x.shape[0])
             if gathered is not None:
-                x.add_(gathered[index])
+                x.add_(gathered[index])  # a view made with the gather: no indexing call a site
                 return
         kernels.steer_add(x, self._site_tables[index], self.row_slot, eager, out=x)
 
-    def _gathered(self, rows: int) -> torch.Tensor | None:
-        """[sites, rows, hidden]: the step's first ``rows`` rows of every site's table, made once a step (None where
-        too large, or where this step's sites see another number of rows: those steer site by site)."""
+    def _gathered(self, rows: int) -> tuple[torch.Tensor, ...] | None:
+        """Per site, [rows, hidden]: the step's first ``rows`` rows of its table, gathered for every site at once
+        and made once a step (None where too large, or where this step's sites see another number of rows: those
+        steer site by site)."""
         gathered = self._step_gather
         if gathered is None:
             if self.table.numel() // self.table.shape[1] * rows * self.table.element_size() > GATHER_BYTES:
                 return None
-            gathered = self._step_gather = self.table.index_select(1, self.row_slot[:rows])
-        return gathered if gathered.shape[1] == rows else None
+            gathered = self._step_gather = self.table.index_select(1, self.row_slot[:rows]).unbind(0)
+        return gathered if gathered[0].shape[0] == rows else None
 
     @property
     def active(self) -> bool:

@@ -1,5 +1,6 @@
 """Host time of a worker's calls, call by call, for benchmarks: the plugin's planning before each forward
-(``planner``), its work after it, its read-backs, and the model runner's ``execute_model`` and ``sample_tokens``.
+(``planner``), its work after it, its read-backs, its ops' work in steps run outside CUDA graphs (``site_ops``), and
+the model runner's ``execute_model`` and ``sample_tokens``.
 
 Started and stopped by the worker extension (``interp_timers_start`` / ``interp_timers_stop``): offline through
 ``LLM.collective_rpc``, on a server through vLLM's dev route ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``),
@@ -12,7 +13,9 @@ import statistics
 import time
 from collections import defaultdict
 
-STATE_CALLS = {"planner": "before_forward", "after_forward": "after_forward", "collect": "collect"}
+# ``site_ops``: the ops' work at their sites in steps run outside CUDA graphs (a graph's replay calls no Python)
+STATE_CALLS = {"planner": "before_forward", "after_forward": "after_forward", "collect": "collect",
+               "site_ops": "apply_site"}
 RUNNER_CALLS = ("execute_model", "sample_tokens")
 
 
