@@ -163,6 +163,29 @@ def test_backend_on_cpu():
     assert kernels.backend("cpu") == "torch"
 
 
+def test_steering_outside_graphs_runs_the_kernel_from_a_size_on(monkeypatch):
+    """Outside CUDA graphs a small call steers through ATen (less host time), a large one through the kernel (fewer
+    device bytes); inside them always the kernel."""
+    ran = []
+
+    class Kernels:
+        @staticmethod
+        def steer_add(x, table, row_slot, out=None):
+            ran.append(x.shape[0])
+            return out
+
+    monkeypatch.setattr(kernels, "_kernels", lambda x: Kernels)
+    width = 64
+    table = torch.randn(3, width)
+    slots = torch.randint(0, 3, (kernels.EAGER_KERNEL_ELEMENTS // width,))
+    small, large = torch.zeros(8, width), torch.zeros(len(slots), width)
+    kernels.steer_add(small, table, slots, eager=True, out=small)
+    assert ran == [] and torch.equal(small, table[slots[:8]])
+    kernels.steer_add(large, table, slots, eager=True, out=large)
+    kernels.steer_add(small, table, slots, eager=False, out=small)
+    assert ran == [len(slots), 8]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES)
 def test_steer_add_cpu(case, dtype):
