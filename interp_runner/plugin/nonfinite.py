@@ -27,7 +27,7 @@ import contextlib
 import numpy as np
 import torch
 
-from interp_runner.plugin.staging import Prefixes
+from interp_runner.plugin.staging import RowSlots
 
 
 Entries = tuple[list[str], np.ndarray, np.ndarray]  # released requests: rids, own slot and cell slot indices
@@ -35,12 +35,11 @@ Entries = tuple[list[str], np.ndarray, np.ndarray]  # released requests: rids, o
 
 class ResultFlags:
     def __init__(self, max_rows: int, device, staging, is_result_rank: bool):
-        self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self._row_heads = Prefixes(self.row_slot)
+        self._slots = RowSlots(max_rows, device, staging)
+        self.row_slot = self._slots.values
         num_slots = 2 * max_rows  # far more than the requests and cells an engine holds at once
         self.flags = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self._free = list(range(num_slots - 1, 0, -1))
-        self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
         self._released: list[int] = []  # slots released since the last flush
         # their requests (and cells): rid, then the indices into ``_released`` of its own slot and of its cell's
         # (a request that is not packed: its own again); flagged where either slot is
@@ -153,9 +152,7 @@ class ResultFlags:
              num_tokens: int, row_of: np.ndarray | None) -> None:
         """Write each row's slot: its request's (``flag_slots``, one per request), or for a packed request's segment
         rows its cell's (``packed``: (batch index, plan) of each packed request)."""
-        slots = np.repeat(np.asarray(flag_slots, dtype=np.int64), starts[1:] - starts[:-1])
-        if num_rows > num_tokens:  # padding rows: slot 0
-            slots = np.concatenate((slots, np.zeros(num_rows - num_tokens, dtype=np.int64)))
+        slots = RowSlots.per_row(flag_slots, starts[1:] - starts[:-1], num_rows)
         for i, plan in packed:
             cells = plan.cells
             if plan.flag_slot == 0:
@@ -167,14 +164,8 @@ class ResultFlags:
             slots[rows[inside]] = plan.cell_flag_slots[k]
         if row_of is not None:
             slots[row_of] = slots[:num_tokens].copy()
-        held = self._row_slots
-        if isinstance(held, np.ndarray) and held.tobytes() == slots.tobytes():
-            return  # the buffer already holds these slots
-        self._staging.upload(slots, into=self._row_heads[num_rows])
-        self._row_slots = slots
+        self._slots.write(slots)
 
     def clear(self) -> None:
         """No row of the step belongs to a tracked request."""
-        if self._row_slots is not False:
-            self.row_slot.zero_()
-            self._row_slots = False
+        self._slots.clear()

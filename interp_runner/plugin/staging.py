@@ -64,18 +64,36 @@ class PinnedRing:
         return (host if array.ndim == 1 else host.view(array.shape)).to(self.device, non_blocking=True)
 
 
-class Prefixes:
-    """A buffer's first ``n`` entries (``prefixes[n]``), each view made once: a step's rows are uploaded into one
-    without a slicing call each step."""
+class RowSlots:
+    """A slot per batch row on the device (``values``) and the slots it holds (``held``; False: all zero). A step whose
+    slots equal the held ones uploads nothing; the buffer's view for each row count is made once."""
 
-    __slots__ = ("buffer", "_views")
+    def __init__(self, max_rows: int, device, staging: PinnedRing):
+        self.values = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.held: np.ndarray | bool = False
+        self._staging = staging
+        self._heads: dict[int, torch.Tensor] = {}
 
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
-        self._views: dict[int, torch.Tensor] = {}
+    @staticmethod
+    def per_row(per_request, counts: np.ndarray, num_rows: int) -> np.ndarray:
+        """Each request's value on each of its ``counts`` rows, then slot 0 on the padding rows up to ``num_rows``."""
+        slots = np.repeat(np.asarray(per_request, dtype=np.int64), counts)
+        if num_rows > len(slots):
+            slots = np.concatenate((slots, np.zeros(num_rows - len(slots), dtype=np.int64)))
+        return slots
 
-    def __getitem__(self, n: int) -> torch.Tensor:
-        view = self._views.get(n)
-        if view is None:
-            view = self._views[n] = self.buffer[:n]
-        return view
+    def write(self, slots: np.ndarray) -> None:
+        """``slots`` (one per row of the step) into the buffer, unless it holds them already."""
+        held = self.held
+        if not (isinstance(held, np.ndarray) and held.tobytes() == slots.tobytes()):
+            head = self._heads.get(len(slots))
+            if head is None:
+                head = self._heads[len(slots)] = self.values[: len(slots)]
+            self._staging.upload(slots, into=head)
+        self.held = slots
+
+    def clear(self) -> None:
+        """No row holds a slot."""
+        if self.held is not False:
+            self.values.zero_()
+            self.held = False

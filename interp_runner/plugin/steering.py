@@ -20,7 +20,7 @@ import interp_runner_kernels as kernels
 from interp_runner.contracts import DECODE, PREFILL, Steer
 
 from interp_runner.plugin.batch_plans import STEER, BatchPlans
-from interp_runner.plugin.staging import Prefixes
+from interp_runner.plugin.staging import RowSlots
 
 GATHER_BYTES = 64 << 20  # the largest step gather (every steered site's rows at once) made outside CUDA graphs
 
@@ -41,13 +41,12 @@ class SteeringTable:
         self.index = {site: i for i, site in enumerate(sites)}
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self._row_heads = Prefixes(self.row_slot)
+        self._slots = RowSlots(max_rows, device, staging)
+        self.row_slot = self._slots.values
         self.table = torch.zeros((max(len(sites), 1), num_slots, hidden_size), dtype=dtype, device=device)
         self._site_tables = list(self.table)  # one view per site, made once
         self._step_gather: tuple[torch.Tensor, ...] | None = None  # this step's rows of each site's table (``steer``)
         self.vectors: dict[str, np.ndarray] = {}
-        self._row_slots: np.ndarray | bool = False  # the slots the buffer holds (False: all zero)
         self._free_slots = list(range(num_slots - 1, 0, -1))
         self._in_use: dict[tuple, SlotPair] = {}  # steering key -> its slots
         # keys no request uses any more, oldest first: their table rows stay valid until the slots are needed
@@ -88,7 +87,7 @@ class SteeringTable:
     @property
     def active(self) -> bool:
         """Whether the rows of the step hold any slot (else the buffer is all zeros)."""
-        return self._row_slots is not False
+        return self._slots.held is not False
 
     # -- vectors and slots --------------------------------------------------------------------------
     def register_vectors(self, vectors: dict[str, bytes]) -> int:
@@ -162,9 +161,7 @@ class SteeringTable:
         self._step_gather = None  # made from this step's slots, should the step steer outside the graphs
         if plans.any_kind & STEER:
             counts = starts[1:] - starts[:-1]
-            slots = np.repeat(plans.decode, counts)
-            if num_rows > num_tokens:  # padding rows: slot 0
-                slots = np.concatenate((slots, np.zeros(num_rows - num_tokens, dtype=np.int64)))
+            slots = RowSlots.per_row(plans.decode, counts, num_rows)
             prompt_rows = plans.prompt_len - computed  # a request's rows before its first generated token
             if prompt_rows.max() > 0:
                 for i in np.flatnonzero(prompt_rows > 0).tolist():  # the few requests still in their prompt
@@ -172,12 +169,7 @@ class SteeringTable:
                     slots[first : first + min(int(prompt_rows[i]), int(counts[i]))] = plans.prefill[i]
             if row_of is not None:
                 slots[row_of] = slots[:num_tokens].copy()
-            held = self._row_slots
-            if isinstance(held, np.ndarray) and held.tobytes() == slots.tobytes():
-                pass  # the buffer already holds these slots (steady decode of the same batch)
-            else:
-                self._staging.upload(slots, into=self._row_heads[num_rows])
-            self._row_slots = slots
+            self._slots.write(slots)  # nothing uploaded in a steady decode of the same batch
             self._fold(b"steer", slots[:num_tokens])
         else:
             self.clear()
@@ -185,10 +177,9 @@ class SteeringTable:
     def clear(self) -> None:
         """No row steered this step."""
         self._step_gather = None
-        if self._row_slots is not False:
-            self.row_slot.zero_()
-            self._row_slots = False
+        self._slots.clear()
 
     def held_slots(self, n: int) -> bytes | None:
         """The slots of the first ``n`` rows as the buffer holds them (None: all zero)."""
-        return self._row_slots[:n].tobytes() if isinstance(self._row_slots, np.ndarray) else None
+        held = self._slots.held
+        return held[:n].tobytes() if isinstance(held, np.ndarray) else None
