@@ -30,7 +30,7 @@
 # runners: every one-GPU test file under V1 and under V2 (VLLM_USE_V2_MODEL_RUNNER=0 / 1), the twelve (runner, file
 # group) jobs spread over the visible GPUs side by side, logs pytest_v1_*.log and pytest_v2_*.log. RUNNER_ONLY="gpu
 # trace" keeps those groups (gpu, trace, verify, families, moe, serve) under both runners, and "v1:gpu v2:serve" a group
-# under one runner. Jobs, in the groups' order, go to the GPUs in turn. A group takes 2-8 minutes alone on an H100
+# under one runner, in the order named. Jobs go to the GPUs in turn. A group takes 2-8 minutes alone on an H100
 # (gpu 130 s, families and moe ~200 s each, verify ~150 s) and up to 3x that with four lanes side by side: on four
 # GPUs, plan about four jobs a call.
 #
@@ -190,12 +190,15 @@ RUNNER_GROUPS=("gpu:tests/test_gpu.py tests/test_kernels.py"
 stage_runners() {
   local budget=$1 gpus=() jobs=() i=0 rc=0 pids=() t_lanes=$SECONDS
   IFS=, read -r -a gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)}"
-  local runner group
-  for group in "${RUNNER_GROUPS[@]}"; do
-    for runner in 0 1; do  # RUNNER_ONLY names a group under both runners ("gpu") or under one ("v1:gpu")
-      [ -n "${RUNNER_ONLY:-}" ] && [[ " $RUNNER_ONLY " != *" ${group%%:*} "* ]] \
-        && [[ " $RUNNER_ONLY " != *" v$(( runner + 1 )):${group%%:*} "* ]] && continue
-      jobs+=("$runner:$group")
+  local runner group word
+  # RUNNER_ONLY names a group under both runners ("gpu") or under one ("v1:gpu"); its jobs keep the order named
+  for word in ${RUNNER_ONLY:-${RUNNER_GROUPS[*]%%:*}}; do
+    for group in "${RUNNER_GROUPS[@]}"; do
+      [ "${group%%:*}" = "${word#v[12]:}" ] || continue
+      for runner in 0 1; do
+        [[ $word == v[12]:* ]] && [ "${word:1:1}" != $(( runner + 1 )) ] && continue
+        jobs+=("$runner:$group")
+      done
     done
   done
   for (( g = 0; g < ${#gpus[@]}; g++ )); do
