@@ -211,6 +211,7 @@ stage_runners() {
         CUDA_VISIBLE_DEVICES=${gpus[$g]} VLLM_USE_V2_MODEL_RUNNER=$runner TEST_FILES="$files" \
           TEST_LOG="pytest_v$(( runner + 1 ))_$name" TEST_REPORT="gpu_test_report_v$(( runner + 1 ))_$name.txt" \
           stage_tests $(( budget - (SECONDS - t_lanes) )) > /dev/null 2>&1 || code=1
+        free_gpu "${gpus[$g]}"
       done
       exit $code
     ) &
@@ -218,6 +219,20 @@ stage_runners() {
   done
   for i in "${pids[@]}"; do wait "$i" || rc=1; done
   return "$rc"
+}
+
+# the processes a job left on GPU $1 (a server its test had no time to stop when the lane's budget ran out), killed
+# so that the next job finds the GPU's memory free; logged in $OUT/leftovers.log
+free_gpu() {
+  local bus pids
+  bus=$(nvidia-smi --query-gpu=index,pci.bus_id --format=csv,noheader 2>/dev/null | awk -F', ' -v g="$1" '$1 == g {print $2}')
+  [ -n "$bus" ] || return 0
+  pids=$(nvidia-smi --query-compute-apps=pid,gpu_bus_id --format=csv,noheader 2>/dev/null \
+    | awk -F', ' -v b="$bus" '$2 == b {print $1}')
+  [ -n "$pids" ] || return 0
+  echo "$(date -u +%H:%M:%S) GPU $1: killing $(echo $pids)" >> "$OUT/leftovers.log"
+  kill -9 $pids 2>/dev/null
+  sleep 3
 }
 
 stage_bench_tp() {  # the interp engine's overheads at TP = 1, then TP = 2, same workload and machine

@@ -296,12 +296,17 @@ def worker(args) -> dict:
     collect_times = {name: [] for name in conditions}
     names = list(conditions)
     for r in range(args.repeats):
+        started = time.time()
+        if r >= 2 and args.stop_at and started + 2.5 * round_s > args.stop_at:
+            info["rounds_cut"] = f"{r} of {args.repeats}: the budget's end"  # one more round and the profile would pass it
+            break
         for name in names if r % 2 == 0 else names[::-1]:
             run = timed_run(name)
             outputs[name] = run.tokens
             times[name].append(run.wall_s)
             cpu_times[name].append(run.cpu_s)
             collect_times[name].append(run.collect_s)
+        round_s = time.time() - started
     info["times_s"] = times
     info["cpu_times_s"] = cpu_times
     info["collect_times_s"] = collect_times  # the part of times_s spent collecting results after generation
@@ -351,6 +356,8 @@ def run_worker(kind: str, args, folder: Path, dummy: bool, scratch: Path) -> dic
     cmd = [sys.executable, __file__, "--worker", kind, "--model-dir", str(folder), "--worker-json", str(out)]
     if dummy:
         cmd.append("--dummy")
+    # the worker takes no round it cannot end, with its profiled run, 15 s before the timeout
+    cmd += ["--stop-at", str(time.time() + args.worker_timeout - 15)]
     for key in ("model", "batch", "max_tokens", "vectors", "hook", "norm", "repeats", "warmup", "dtype",
                 "max_model_len", "kv_cache_gib", "conditions", "tp"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -396,7 +403,9 @@ def main(argv=None) -> int:
                     help="llama8b-random: vLLM's dummy loader, or random bf16 safetensors from transformers")
     ap.add_argument("--llama-shape", default="", help="hidden,layers,heads,kv_heads,intermediate,vocab")
     ap.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "interp-bench"))
-    ap.add_argument("--worker-timeout", type=float, default=600)
+    ap.add_argument("--worker-timeout", type=float, default=600,
+                    help="seconds an engine's process may take; it takes fewer rounds than --repeats where they would "
+                         "not end in time")
     ap.add_argument("--cpus", default="", help="pin each engine process to these CPUs, e.g. 4-7 or 2,3 (default: any)")
     ap.add_argument("--json", default="", help="write all numbers here")
     ap.add_argument("--report", nargs="*", help="only print the table of these --json files")
@@ -404,6 +413,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
+    ap.add_argument("--stop-at", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--dummy", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 

@@ -86,6 +86,12 @@ def pytest_runtest_call(item):
         yield
 
 
+def pytest_configure(config):
+    from support.servers import interrupt_on_sigterm
+
+    interrupt_on_sigterm()
+
+
 def pytest_sessionfinish(session):
     inprocess = sys.modules.get("support.inprocess")
     if inprocess is not None:  # the engines the in-process CLI runs shared

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from support import servers
 from support.hf_oracle import forward
 
 pytestmark = pytest.mark.engine
@@ -48,8 +49,9 @@ def start_server(overrides: list[str], port: int, log, command: list[str] | None
     """``interp-serve`` (or ``command``) in a process of its own, once its /health answers."""
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     name = "the server" if command else "interp-serve"
-    proc = subprocess.Popen((command or serve_command()) + overrides, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=str(Path(__file__).resolve().parent.parent), start_new_session=True)
+    proc = servers.track(subprocess.Popen((command or serve_command()) + overrides, stdout=log,
+                                          stderr=subprocess.STDOUT, env=env,
+                                          cwd=str(Path(__file__).resolve().parent.parent), start_new_session=True))
     deadline = time.time() + START_TIMEOUT
     while True:
         if proc.poll() is not None:
@@ -93,6 +95,7 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
     if group_alive(proc.pid):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    servers.untrack(proc)
 
 
 @pytest.fixture(scope="module")

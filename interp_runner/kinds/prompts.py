@@ -223,8 +223,9 @@ class PromptsKind:
 
 
 def _captured(ds: xr.Dataset) -> list[str]:
-    """The capture entries' arrays (request, hook, layer, slot, hidden)."""
-    return [str(name) for name, v in ds.data_vars.items() if v.ndim == 5]
+    """The capture entries' arrays (request, hook, layer, slot, hidden), by name: a store read back lists its arrays
+    in no fixed order."""
+    return sorted(str(name) for name, v in ds.data_vars.items() if v.ndim == 5)
 
 
 KIND = PromptsKind()
