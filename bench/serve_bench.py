@@ -18,8 +18,9 @@ stock server always gets four plain lanes.
 Each interval starts with the server's prefix cache emptied, and its clients send no lone test request first. For
 every interval, both servers' own figures come from their /metrics pages: engine steps, wall time per step, tokens
 per step, a request's mean queue, prefill and decode time, the server-side TPOT and prefix-cache hits (the table's
-second part gives their medians). During every interp interval the server's read-backs of results
-(``interp_collect_seconds``: calls, requests, seconds) are summed per condition, with its workers' host time per
+second part gives their medians). During every interp interval the requests whose results came with their last
+output (``interp_carried_results_total``) and the server's read-backs of results (``interp_collect_seconds``: calls,
+requests, seconds) are summed per condition, with its workers' host time per
 engine step: the plugin's planning and after-forward work, the runner's ``execute_model`` and ``sample_tokens``
 (``interp_runner.plugin.step_timers``, through vLLM's dev route ``/collective_rpc``). Separately, ``fresh-vector TTFT``:
 a vector registered (POST /v1/interp/vectors) right before a streamed request that steers with it, against requests
@@ -211,7 +212,8 @@ def interval(args, lanes: list[Lane], port: int, condition: str, work: Path, tag
     return pooled(results)
 
 
-COLLECT_METRICS = ("interp_collect_seconds_count", "interp_collect_seconds_sum", "interp_collected_requests_total")
+COLLECT_METRICS = ("interp_collect_seconds_count", "interp_collect_seconds_sum", "interp_collected_requests_total",
+                   "interp_carried_results_total")
 # vLLM's own counters on both servers' /metrics pages, summed over an interval: engine steps and their tokens, and
 # where a request's time went inside the server
 SERVER_METRICS = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
@@ -391,9 +393,9 @@ def main() -> None:
                 report["conditions"][condition] = {
                     m: {"median": statistics.median(v), "interval_95": median_interval(v), "pairs": len(v)}
                     for m, v in ratios[condition].items() if v}
-                calls, seconds, requests = (collects[condition][name] for name in COLLECT_METRICS)
+                calls, seconds, requests, carried = (collects[condition][name] for name in COLLECT_METRICS)
                 report["collect"] = {**report.get("collect", {}), condition: {
-                    "calls": calls, "requests": requests, "seconds": seconds,
+                    "calls": calls, "requests": requests, "seconds": seconds, "carried": carried,
                     "mean_ms": 1e3 * seconds / calls if calls else None}}
                 report["absolute"] = {c: {which: {k: _median([x[k] for x in rows]) for k in rows[0]}
                                               for which, rows in sides.items() if rows}
@@ -422,8 +424,9 @@ def print_table(report: dict) -> None:
                                              if m in row else f"{'-':>22}" for m in PAIRED)
               + f"  ({row[METRICS[0]]['pairs']} pairs)")
     for condition, c in report.get("collect", {}).items():
-        print(f"{condition:<15} read-backs: {c['calls']:.0f} calls for {c['requests']:.0f} requests, "
-              f"{c['seconds']:.3f} s in all" + (f", {c['mean_ms']:.2f} ms a call" if c["mean_ms"] else ""))
+        print(f"{condition:<15} results with the last output: {c.get('carried', 0):.0f} requests; read-backs: "
+              f"{c['calls']:.0f} calls for {c['requests']:.0f} requests, {c['seconds']:.3f} s in all"
+              + (f", {c['mean_ms']:.2f} ms a call" if c["mean_ms"] else ""))
     for condition, row in report.get("worker_host_us_a_step", {}).items():
         print(f"{condition:<15} interp workers' host time, µs a step over {row['steps']} steps: "
               + ", ".join(f"{k} {v:.0f}" for k, v in row.items() if k != "steps"))

@@ -17,6 +17,7 @@ import msgspec
 
 PAYLOAD_KEY = "interp"  # SamplingParams.extra_args[PAYLOAD_KEY]: a request's encoded payload
 ENGINE_KEY = "interp"  # additional_config[ENGINE_KEY]: the engine's plugin spec
+RESULTS_KEY = "interp_results"  # a served request's results in its last output's ``kv_transfer_params``
 PREFILL = 1  # steering phases, a bit mask: prompt tokens
 DECODE = 2  # generated tokens
 
@@ -133,6 +134,9 @@ class PluginSpec(PluginSites, frozen=True, forbid_unknown_fields=True, kw_only=T
     """What an engine's plugin is built with: its sites and rows, and the plugin's source they were made for."""
 
     plugin: str  # ``payload.plugin_fingerprint()``: part of vLLM's compile-cache key
+    # a served engine: each request the engine core finishes carries its results in its last output
+    # (``plugin.served_results``)
+    results_with_outputs: bool = False
 
 
 class InvalidPayload(ValueError):

@@ -69,9 +69,9 @@ class EngineSpec(PluginSites, frozen=True, kw_only=True):
 
     force_tokens: bool = False  # some request's payload has ``force``
 
-    def as_additional_config(self) -> dict:
+    def as_additional_config(self, results_with_outputs: bool = False) -> dict:
         sites = {f: getattr(self, f) for f in PluginSites.__struct_fields__}
-        return spec_config(PluginSpec(**sites, plugin=plugin_fingerprint()))
+        return spec_config(PluginSpec(**sites, plugin=plugin_fingerprint(), results_with_outputs=results_with_outputs))
 
     def union(self, other: EngineSpec) -> EngineSpec:
         """A spec with the sites of both and the larger bank."""

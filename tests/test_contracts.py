@@ -114,7 +114,7 @@ def test_the_plugin_spec_round_trips_through_additional_config_and_refuses_unkno
     spec = PluginSpec((3, 4), (9,), (4,), 10, 32, 2, plugin="abc")
     config = spec_config(spec)
     assert config == {"interp": {"plugin": "abc", "steer_sites": [3, 4], "capture_sites": [9], "patch_sites": [4],
-                                 "bank_rows": 10, "kv_rows": 32, "kv_runs": 2}}
+                                 "bank_rows": 10, "kv_rows": 32, "kv_runs": 2, "results_with_outputs": False}}
     assert plugin_spec_of(config["interp"]) == spec
     assert plugin_spec_of(msgspec.json.decode(msgspec.json.encode(config))["interp"]) == spec
     with pytest.raises(InvalidPayload, match=r"not a valid PluginSpec: Object contains unknown field `bank`"):

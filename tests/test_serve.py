@@ -358,17 +358,26 @@ def running(server) -> float:
     return metric(server, "vllm:num_requests_running")
 
 
-def test_read_backs_are_counted_on_vllms_metrics_page(server, client):
-    """Each read-back of finished requests' results is one observation of ``interp_collect_seconds`` on vLLM's own
-    /metrics page, and its requests are counted; a request without an interp object reads nothing back."""
-    calls, requests, seconds = (metric(server, name) for name in (
-        "interp_collect_seconds_count", "interp_collected_requests_total", "interp_collect_seconds_sum"))
-    for _ in range(3):
-        client.completions.create(model="tiny_random", prompt="Once upon a time", max_tokens=2,
-                                  extra_body={"interp": {"capture": {"layers": 0}}})
+def test_results_come_with_the_last_output_or_by_read_back(server, client):
+    """A request the engine core finishes carries its results in its last output (``interp_carried_results_total`` on
+    vLLM's own /metrics page), with no read-back. One with stop strings, which the API server's detokenizer may end,
+    is read back: one observation of ``interp_collect_seconds`` a call, its requests counted. A request without an
+    interp object does neither, and no response shows the output's ``kv_transfer_params``."""
+    names = ("interp_carried_results_total", "interp_collect_seconds_count", "interp_collected_requests_total",
+             "interp_collect_seconds_sum")
+    carried, calls, requests, seconds = (metric(server, name) for name in names)
+    capture = {"interp": {"capture": {"layers": 0}}}
+    for stop in (None, None, None, ["never in the text"]):
+        r = client.completions.create(model="tiny_random", prompt="Once upon a time", max_tokens=2, stop=stop,
+                                      extra_body=capture)
+        assert len(r.model_extra["interp"]["captures"]) == 1 and not r.model_extra.get("kv_transfer_params")
+    r = client.chat.completions.create(model="tiny_random", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2, extra_body=capture)
+    assert len(r.model_extra["interp"]["captures"]) == 1 and not r.model_extra.get("kv_transfer_params")
     client.completions.create(model="tiny_random", prompt="Once upon a time", max_tokens=2)
-    assert metric(server, "interp_collect_seconds_count") == calls + 3  # one at a time: a read-back each
-    assert metric(server, "interp_collected_requests_total") == requests + 3
+    assert metric(server, "interp_carried_results_total") == carried + 4
+    assert metric(server, "interp_collect_seconds_count") == calls + 1
+    assert metric(server, "interp_collected_requests_total") == requests + 1
     assert metric(server, "interp_collect_seconds_sum") > seconds
 
 

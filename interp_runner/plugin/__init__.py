@@ -20,7 +20,7 @@ def register() -> None:
     if _registered or os.environ.get(ENABLE_ENV) != "1":
         return
     from interp_runner.plugin import (collect_order, kv_groups, layers, ops, parent_watch, prefix_cache, runners,
-                                      seeded_loader)
+                                      seeded_loader, served_results)
 
     parent_watch.start()
     # vLLM unfreezes the heap when it shuts an engine down, and at exit the interpreter's last collections walk all
@@ -33,6 +33,7 @@ def register() -> None:
     runners.instrument()  # every model runner vLLM may pick (``runners``)
     prefix_cache.instrument_block_hashing()
     collect_order.instrument_engine_core()
+    served_results.instrument_engine_core()
     kv_groups.keep_fields_when_unifying()
     _registered = True
 

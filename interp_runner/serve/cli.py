@@ -110,10 +110,11 @@ def prepare(config: dict, extra_args: list[str]) -> Prepared:
     capture_sites = site_set(settings.sites.capture, facts, "serve.sites.capture")
     served = Served(facts, dtype, frozenset(steer_sites), frozenset(capture_sites))
     spec = EngineSpec(tuple(sorted(steer_sites)), tuple(sorted(capture_sites)))
+    additional = spec.as_additional_config(results_with_outputs=True)
     args = ["--model", str(folder), *engine_flags(cfg, facts, gpu), "--worker-extension-cls", WORKER_EXTENSION,
-            "--additional-config", json.dumps(spec.as_additional_config()), *settings.args, *extra_args]
+            "--additional-config", json.dumps(additional), *settings.args, *extra_args]
     return Prepared(args, settings, served, folder, named, global_steer, global_vectors, _ignored(cfg), tokenizer,
-                    spec.as_additional_config()["interp"]["plugin"], cfg.engine.model_runner)
+                    additional["interp"]["plugin"], cfg.engine.model_runner)
 
 
 def main(argv: list[str] | None = None) -> None:

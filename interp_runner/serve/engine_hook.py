@@ -1,7 +1,8 @@
 """The engine client's ``generate`` with interp payloads: a request's compiled interventions (handed over by the
 HTTP middleware through ``CURRENT``) become its ``SamplingParams.extra_args`` payload once vLLM has rendered its
-prompt; the workers' results are read back once its last output has been handed on (``Collector``: one
-``collective_rpc`` for all requests that finished meanwhile), and what an aborted request held is freed."""
+prompt; the workers' results come with its last output (``plugin.served_results``), or, for a request the engine core
+did not finish itself, are read back once that output has been handed on (``Collector``: one ``collective_rpc`` for
+all requests that finished meanwhile), and what an aborted request held is freed."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from interp_runner.contracts import PAYLOAD_KEY, encode_payload
+from interp_runner.contracts import PAYLOAD_KEY, RESULTS_KEY, encode_payload
 from interp_runner.result_transfer import received, result_block
 from interp_runner.serve.compile import Compiled
 
@@ -35,6 +36,8 @@ class CollectMetrics:
                                  "from the workers (collective_rpc)",
                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
         self.requests = Counter("interp_collected_requests", "interp-serve: requests whose results were read back")
+        self.carried = Counter("interp_carried_results", "interp-serve: requests whose results came with their last "
+                               "output")
 
 
 collect_metrics = functools.cache(CollectMetrics)
@@ -52,6 +55,18 @@ class Call:
 
 
 CURRENT: contextvars.ContextVar[Call | None] = contextvars.ContextVar("interp_call", default=None)
+
+
+def carried_results(out) -> bytes | None:
+    """The results a finished request's last output carries (``plugin.served_results``), taken out of it: vLLM's
+    serving code would put its ``kv_transfer_params`` in the response."""
+    params = out.kv_transfer_params
+    if not params or RESULTS_KEY not in params:
+        return None
+    params = dict(params)
+    carried = params.pop(RESULTS_KEY)
+    out.kv_transfer_params = params or None
+    return carried
 
 
 class Collector:
@@ -166,11 +181,16 @@ class InterpEngine:
         outputs = self._generate(prompt, sampling_params, request_id, *args, **kwargs)
         try:
             async for out in outputs:
+                carried = carried_results(out)
                 yield out
-                if out.finished:  # its last tokens are on their way: its results are read back after them, before
-                    # the response ends (vLLM's serving code reads this generator to its end before a stream's
-                    # [DONE] or a whole response)
-                    call.result = await self.collector.collect(rid)
+                if out.finished:  # its last tokens are on their way: its results come with them or are read back
+                    # after them, before the response ends (vLLM's serving code reads this generator to its end
+                    # before a stream's [DONE] or a whole response)
+                    if carried is not None:
+                        call.result = received(carried, "").get(rid, {})
+                        self.collector.metrics.carried.inc()
+                    else:
+                        call.result = await self.collector.collect(rid)
                     collected = True
                     call.done.set()
         finally:
