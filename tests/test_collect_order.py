@@ -2,6 +2,7 @@
 it; a vector registered once however many requests arrive while it registers."""
 
 import queue
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,6 +33,7 @@ class Executor:
 
 def _engine(log):
     engine = EngineCoreProc.__new__(EngineCoreProc)
+    engine.vllm_config = SimpleNamespace(additional_config={})  # not a served engine: no results with outputs
     engine.scheduler = Scheduler()
     engine.model_executor = Executor(log)
     engine.output_queue = queue.Queue()
