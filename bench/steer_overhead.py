@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules be
 
 from paired import median_interval, paired_changes, paired_ratios, table  # noqa: E402
 from random_llama import llama_shape, random_llama  # noqa: E402
-from steer_profile import breakdown, planner_profile  # noqa: E402
+from steer_profile import breakdown, device_profile, device_table, planner_profile  # noqa: E402
 
 TOPICS = ["a lighthouse keeper", "the history of bread", "a journey to Mars", "an old clock", "the ocean floor",
           "a chess tournament", "a city in the rain", "the first computer", "a mountain village", "a lost dog",
@@ -336,6 +336,9 @@ def worker(args) -> dict:
             if info.get("steered_requests_changed", "").startswith("0/"):
                 info["warning"] = "steering changed no request's tokens"
         info["planner"] = {name: planner_profile(llm, plan, engine, generate) for name, plan in conditions.items()}
+        if args.device_profile:
+            info["device_profile"] = {name: device_profile(llm, plan, engine, generate)
+                                      for name, plan in conditions.items()}
     return info
 
 
@@ -363,6 +366,8 @@ def run_worker(kind: str, args, folder: Path, dummy: bool, scratch: Path) -> dic
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.eager:
         cmd.append("--eager")
+    if args.device_profile:
+        cmd.append("--device-profile")
     if args.cpus:
         cmd += ["--cpus", args.cpus]
     print(f"== {args.model}: {kind} engine", flush=True)
@@ -407,6 +412,9 @@ def main(argv=None) -> int:
                     help="seconds an engine's process may take; it takes fewer rounds than --repeats where they would "
                          "not end in time")
     ap.add_argument("--cpus", default="", help="pin each engine process to these CPUs, e.g. 4-7 or 2,3 (default: any)")
+    ap.add_argument("--device-profile", action="store_true",
+                    help="after the timed runs, one more run per condition under torch.profiler: device time by kernel "
+                         "and the host's waits for the device")
     ap.add_argument("--json", default="", help="write all numbers here")
     ap.add_argument("--report", nargs="*", help="only print the table of these --json files")
     # internal: one engine in this process
@@ -421,6 +429,7 @@ def main(argv=None) -> int:
         results = [json.loads(Path(p).read_text()) for p in args.report if Path(p).exists()]
         print(table(results))
         print(breakdown(results))
+        print(device_table(results))
         return 0
     parse_conditions(args.conditions)
     if args.worker:
@@ -448,6 +457,7 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(result, indent=1))
     print(table([result]))
     print(breakdown([result]))
+    print(device_table([result]))
     failed = [w for w in result["workers"] if "error" in w]
     return 1 if failed else 0
 

@@ -43,3 +43,59 @@ def breakdown(results: list[dict]) -> str:
                 collect = statistics.median(w.get("collect_times_s", {}).get(cond) or [float("nan")]) * 1e3
                 lines.append(f"{label:<20}{cond:<10}{collect:>9.1f}  " + "  ".join(f"{c:>19}" for c in cells))
     return "\n".join(lines)
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaStreamWaitEvent")
+
+
+def device_profile(llm, plan, engine, generate) -> dict:
+    """One more untimed run under ``torch.profiler`` (the engine runs in this process): its wall time, its device
+    activity (kernels and copies: milliseconds in all, and the 12 largest by name), and the host's calls that wait for
+    the device (``SYNC_CALLS``) with the copies from pageable host memory, each of which waits for the stream too.
+    Same kernels and device time in two conditions but a longer wall: the host, or a wait, takes the difference."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        run = generate(llm, plan, engine)
+        if on_gpu:
+            torch.cuda.synchronize()
+    device: dict[str, list] = {}
+    waits: dict[str, list] = {}
+    for event in prof.key_averages():
+        own = getattr(event, "self_device_time_total", 0.0)
+        if own > 0:
+            device[event.key] = [event.count, own / 1e3]
+        if event.key in SYNC_CALLS or "Pageable" in event.key:
+            waits[event.key] = [event.count, event.cpu_time_total / 1e3]
+    top = sorted(device.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"wall_s": run.wall_s, "device_ms": sum(ms for _, ms in device.values()),
+            "device_calls": sum(n for n, _ in device.values()), "top": dict(top), "all": device, "waits": waits}
+
+
+def device_table(results: list[dict]) -> str:
+    """Per interp engine and condition, the profiled run's wall and device time; then, against idle, the kernels whose
+    device time changed most, and the waits."""
+    lines = []
+    for result in results:
+        for w in result["workers"]:
+            prof = w.get("device_profile")
+            if not prof:
+                continue
+            lines.append(f"device profile ({result['model']}): one run per condition under torch.profiler")
+            lines.append(f"{'condition':<10}{'wall ms':>10}{'device ms':>11}{'device calls':>14}  waits (calls, host ms)")
+            for cond, p in prof.items():
+                waits = ", ".join(f"{k} {n} / {ms:.1f}" for k, (n, ms) in p["waits"].items()) or "none"
+                lines.append(f"{cond:<10}{p['wall_s'] * 1e3:>10.1f}{p['device_ms']:>11.2f}{p['device_calls']:>14}  {waits}")
+            idle = prof.get("idle")
+            for cond, p in prof.items():
+                if idle is None or cond == "idle":
+                    continue
+                names = set(p["all"]) | set(idle["all"])
+                diff = sorted(names, key=lambda k: -abs(p["all"].get(k, [0, 0.0])[1] - idle["all"].get(k, [0, 0.0])[1]))
+                for name in diff[:8]:
+                    (n1, ms1), (n0, ms0) = p["all"].get(name, [0, 0.0]), idle["all"].get(name, [0, 0.0])
+                    lines.append(f"  {cond} vs idle: {ms1 - ms0:+8.2f} ms ({n0} -> {n1} calls) {name[:90]}")
+    return "\n".join(lines)
