@@ -295,6 +295,7 @@ def worker(args) -> dict:
     cpu_times = {name: [] for name in conditions}
     collect_times = {name: [] for name in conditions}
     names = list(conditions)
+    round_s = 0.0  # the last round's wall time
     for r in range(args.repeats):
         started = time.time()
         if r >= 2 and args.stop_at and started + 2.5 * round_s > args.stop_at:
