@@ -26,6 +26,7 @@ and the runner's calls timed in every worker, TP workers included); ``--json`` k
 
     python bench/steer_overhead.py --model smollm2_135m
     python bench/steer_overhead.py --model llama8b-random          # random-weight 8B-shaped Llama
+    python bench/steer_overhead.py --device-profile                # and where the device's time goes, by kernel
     python bench/steer_overhead.py --model tiny_random --dtype float32 --eager --batch 4 --max-tokens 8 \\
         --repeats 2 --vectors 2                                     # CPU smoke run
 """
