@@ -25,7 +25,7 @@ class Config:
 
 
 class Workers:
-    """The result rank's ``interp_collect``: each request's results, as the worker packs them (arrays inline)."""
+    """The result rank's ``interp_collect_each``: each request's results as a record of its own (arrays inline)."""
 
     def __init__(self):
         self.calls = []
@@ -35,7 +35,7 @@ class Workers:
         self.calls.append((method, list(rids)))
         results = {rid: {"captures": {7: (np.array([3], np.int32), np.full((1, 4), i, np.float32))}, "score": None,
                          "void": None, "nonfinite": rid.endswith("bad")} for i, rid in enumerate(rids)}
-        return [send_results(results, ""), None]  # rank 0 holds the results, rank 1 nothing
+        return [{rid: send_results({rid: r}, "") for rid, r in results.items()}, None]  # rank 0's, rank 1's
 
 
 def _core(serves: bool = True):
@@ -79,7 +79,7 @@ def test_finished_served_requests_carry_their_results_after_one_call():
     outputs = _outputs(("a", FinishReason.LENGTH), ("b", FinishReason.STOP), ("c", None), ("plain", FinishReason.LENGTH),
                        ("stops", FinishReason.LENGTH))
     served_results.attach_results(core, outputs)
-    assert core.model_executor.calls == [("interp_collect", ["serve-a", "serve-bad"])]
+    assert core.model_executor.calls == [("interp_collect_each", ["serve-a", "serve-bad"])]
     a, b, c, plain, stops = outputs[0].outputs
     assert c.kv_transfer_params is None and plain.kv_transfer_params is None  # running; no interp object
     assert stops.kv_transfer_params is None  # stop strings: its read-back will ask for it

@@ -1,9 +1,10 @@
 """A served engine's results ride with each request's last output (runs in vLLM's engine-core process).
 
 In an engine whose plugin spec says ``results_with_outputs`` (``interp-serve``'s), the engine core reads, right after
-each step, the results of the interp requests that step finished: one ``interp_collect`` call to its workers for all
-of them, made where the loop would next take its input, as a read-back from the API server would be. Each request's
-results (``result_transfer``'s record, its arrays carried in it) go in its last ``EngineCoreOutput`` under
+each step, the results of the interp requests that step finished: one ``interp_collect_each`` call to its workers for
+all of them, made where the loop would next take its input, as a read-back from the API server would be. Each
+request's results (a ``result_transfer`` record of its own, its arrays carried in it) go in its last
+``EngineCoreOutput`` under
 ``kv_transfer_params[RESULTS_KEY]``, which vLLM's output processor hands on with the request's last
 ``RequestOutput``; ``serve.engine_hook`` takes them out before vLLM's serving code sees them. A response then waits
 for no read-back of its own, and no read-back waits for the engine core's loop.
@@ -17,9 +18,8 @@ from __future__ import annotations
 import logging
 
 from interp_runner.contracts import ENGINE_KEY, RESULTS_KEY, payload_of, plugin_spec_of
-from interp_runner.result_transfer import received, send_results
 
-COLLECT = "interp_collect"  # the worker's method (``plugin.worker``)
+COLLECT_EACH = "interp_collect_each"  # the worker's method (``plugin.worker``)
 RIDS = "_interp_result_rids"  # an engine core's served requests: vLLM's request id -> the payload's rid
 STEP = "_interp_results_step"  # whether the engine core's step function carries results
 MARK = "_interp_served_results"
@@ -47,14 +47,13 @@ def attach_results(core, outputs: dict) -> None:
     if not finished:
         return
     try:
-        per_rank = core.collective_rpc(COLLECT, args=([rid for _, rid in finished], True, [], ""))
-        results = received(next(m for m in per_rank if m is not None), "")  # the result rank's message
+        per_rank = core.collective_rpc(COLLECT_EACH, args=([rid for _, rid in finished],))
+        records = next(r for r in per_rank if r is not None)  # the result rank's
     except Exception:  # the requests' own read-backs will meet the error and answer their clients with it
         logger.exception("interp: reading finished requests' results with their outputs failed")
         return
     for out, rid in finished:
-        own = send_results({rid: results[rid]}, "") if rid in results else None
-        out.kv_transfer_params = {**(out.kv_transfer_params or {}), RESULTS_KEY: own}
+        out.kv_transfer_params = {**(out.kv_transfer_params or {}), RESULTS_KEY: records.get(rid)}
 
 
 def instrument_engine_core() -> None:

@@ -81,6 +81,16 @@ class InterpWorkerExtension:
         with out_block(block) as out:  # the captured rows go from the device straight into the host's block
             return send_results(state.collect(rids, out.reserve), out)
 
+    def interp_collect_each(self, rids: list[str]) -> dict[str, bytes] | None:
+        """Results of finished requests, each request's as a ``result_transfer`` record of its own, its arrays carried
+        in it (None from ranks other than the result rank): a served engine's engine core sends each with its
+        request's last output (``plugin.served_results``)."""
+        state = self._interp()
+        state.finished(rids)
+        if not state.is_result_rank:
+            return None
+        return {rid: send_results({rid: result}, "") for rid, result in state.collect(rids).items()}
+
     def interp_timers_start(self) -> None:
         """A benchmark's probe: time the plugin's and the runner's calls from now on (``plugin.step_timers``)."""
         if getattr(self, "_interp_timers", None) is None:
