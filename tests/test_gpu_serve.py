@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support.hf_oracle import forward
-from test_serve import _complete, free_port, start_server, stop_server, values_of
+from test_serve import _complete, free_port, metric, start_server, stop_server, values_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
@@ -58,6 +58,9 @@ def test_gpu_compiled_server_matches_hf(tmp_path, smollm2_path):
 
             together, alone = asyncio.run(both())
             assert all(t[0] == alone[i % 2][0] for i, t in enumerate(together))
+            server = {"base": f"http://127.0.0.1:{port}"}  # every steered request's results came with its last output
+            assert metric(server, "interp_carried_results_total") == 1 + 16 + 1
+            assert metric(server, "interp_collected_requests_total") == 0
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=120) == 0
         finally:
