@@ -66,15 +66,21 @@ class InterpWorkerExtension:
     def interp_checksum(self) -> dict:
         return self._interp().checksum()
 
+    def _finished_here(self, rids: list[str]):
+        """The plugin state once ``rids`` are marked finished on this rank; None on a rank other than the result
+        rank (it keeps no results)."""
+        state = self._interp()
+        state.finished(rids)
+        return state if state.is_result_rank else None
+
     def interp_collect(self, rids: list[str], packed: bool = True, carriers: list[str] = (),
                        block: str = "") -> dict | bytes | None:
         """Results of finished requests (None from ranks other than the result rank). ``packed``, for callers in
         another process: the ``result_transfer`` record, its arrays written into the caller's ``block`` where this
         worker can open it. ``carriers``: finished engine requests that carried some of them (packed cells), whose
         hold on the bank ends too."""
-        state = self._interp()
-        state.finished([*rids, *carriers])
-        if not state.is_result_rank:
+        state = self._finished_here([*rids, *carriers])
+        if state is None:
             return None
         if not packed:
             return state.collect(rids)
@@ -85,9 +91,8 @@ class InterpWorkerExtension:
         """Results of finished requests, each request's as a ``result_transfer`` record of its own, its arrays carried
         in it (None from ranks other than the result rank): a served engine's engine core sends each with its
         request's last output (``plugin.served_results``)."""
-        state = self._interp()
-        state.finished(rids)
-        if not state.is_result_rank:
+        state = self._finished_here(rids)
+        if state is None:
             return None
         return {rid: send_results({rid: result}, "") for rid, result in state.collect(rids).items()}
 
