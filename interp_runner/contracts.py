@@ -18,6 +18,7 @@ import msgspec
 PAYLOAD_KEY = "interp"  # SamplingParams.extra_args[PAYLOAD_KEY]: a request's encoded payload
 ENGINE_KEY = "interp"  # additional_config[ENGINE_KEY]: the engine's plugin spec
 RESULTS_KEY = "interp_results"  # a served request's results in its last output's ``kv_transfer_params``
+COLLECT = "interp_collect"  # the worker extension's read-back of finished requests' results (``plugin.worker``)
 PREFILL = 1  # steering phases, a bit mask: prompt tokens
 DECODE = 2  # generated tokens
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from interp_runner.compile.requests import EngineRequest
 from interp_runner.config.schema import EngineConfig
+from interp_runner.contracts import COLLECT
 from interp_runner.engine.bulk import run_bulk
 from interp_runner.engine.results import RequestResult
 from interp_runner.engine.settings import EngineError, llm_kwargs, on_gpu
@@ -235,7 +236,7 @@ class VllmEngine:
         collected = {}
         packed = not self.in_process
         with result_block(packed) as block:
-            for per_rank in self.llm.collective_rpc("interp_collect", args=(rids, packed, list(carriers), block)):
+            for per_rank in self.llm.collective_rpc(COLLECT, args=(rids, packed, list(carriers), block)):
                 if per_rank is not None:  # None: a rank other than the result rank
                     collected.update(received(per_rank, block) if packed else per_rank)
         self.check_ranks()

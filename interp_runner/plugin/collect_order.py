@@ -10,7 +10,7 @@ waiting it runs at once, as any utility call.
 
 from __future__ import annotations
 
-COLLECT = "interp_collect"  # the worker's method (``plugin.worker``)
+from interp_runner.contracts import COLLECT
 DEFERRED = "_interp_deferred_collects"  # an engine core's read-backs waiting for its next step
 MARK = "_interp_collect_order"
 

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from interp_runner.contracts import PAYLOAD_KEY, RESULTS_KEY, encode_payload
+from interp_runner.contracts import COLLECT, PAYLOAD_KEY, RESULTS_KEY, encode_payload
 from interp_runner.result_transfer import received, result_block
 from interp_runner.serve.compile import Compiled
 
 REGISTER_VECTORS = "interp_register_vectors"
-COLLECT = "interp_collect"
 
 
 class CollectMetrics:
