@@ -238,7 +238,8 @@ def test_private_blocks_get_placeholder_hashes_and_stay_out_of_the_prefix_cache(
 
 def test_private_blocks_are_hashed_in_bulk_as_vllm_hashes_them_one_by_one():
     """The request block hasher that makes a request's placeholders in one go gives the hashes vLLM's own hasher
-    gives with the interventions' extra keys and placeholders, before and after generated tokens."""
+    gives with the interventions' extra keys and placeholders, before and after generated tokens (appended at once,
+    or one a step as in decoding)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils
@@ -253,14 +254,16 @@ def test_private_blocks_are_hashed_in_bulk_as_vllm_hashes_them_one_by_one():
     for private, n in [(None, 100), (0, 100), (17, 100), (32, 100), (99, 100), (50, 60), (64, 64), (192, 2000)]:
         payload = RequestPayload("x", kv=(KvRange(3, 4, "noise"), KvRange(40, 41, "restore")), kv_private=private)
         hashes = []
-        for factory in (kv_cache_utils.get_request_block_hasher, core.get_request_block_hasher):
+        for factory, one_a_step in [(kv_cache_utils.get_request_block_hasher, False),
+                                    (core.get_request_block_hasher, False), (core.get_request_block_hasher, True)]:
             request = Request(request_id="r-1", prompt_token_ids=list(range(n)), pooling_params=None,
                               sampling_params=SamplingParams(max_tokens=20,
                                                              extra_args={"interp": encode_payload(payload)}),
                               block_hasher=factory(16, sha256_cbor))
-            request.append_output_token_ids(list(range(20)))
+            for tokens in [[t] for t in range(20)] if one_a_step else [list(range(20))]:
+                request.append_output_token_ids(tokens)
             hashes.append(list(request.block_hashes))
-        assert hashes[0] == hashes[1] and len(hashes[0]) == (n + 20) // 16, (private, n)
+        assert hashes[0] == hashes[1] == hashes[2] and len(hashes[0]) == (n + 20) // 16, (private, n)
     assert core.get_request_block_hasher is not kv_cache_utils.get_request_block_hasher
 
 

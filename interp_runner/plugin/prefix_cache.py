@@ -85,10 +85,13 @@ def _private_in_bulk(original_factory):
         hasher = original_factory(hash_block_size, caching_hash_fn)
 
         def request_block_hasher(request):
+            done = len(request.block_hashes)
+            if (done + 1) * hash_block_size > request.num_tokens:  # no new full block: most decode steps
+                return []
             _, private = _interventions(request)
             if private < 0:
                 return hasher(request)
-            done, total = len(request.block_hashes), request.num_tokens // hash_block_size
+            total = request.num_tokens // hash_block_size
             first_private = private // hash_block_size
             new, prev, mm = [], request.block_hashes[-1] if done else None, 0 if done == 0 else -1
             for b in range(done, min(first_private, total)):  # shared blocks: as vLLM hashes them
