@@ -16,7 +16,8 @@ Rows (each engine in its own process, built once, warmed up, then timed):
   or vLLM's pick).
 - ``stock-default`` (optional): plain vLLM with the plugin disabled and vLLM's default model runner.
 
-Every request decodes exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, no detokenization; the time is
+Every request decodes exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, no detokenization, and every run
+starts with an empty prefix cache (so no condition reads an earlier run's prompts from it); the time is
 the wall time of ``LLM.generate`` over the whole batch, on the interp engine followed by ``VllmEngine.collect``,
 which takes the requests' results off the workers (as ``VllmEngine.run`` does; for ``idle`` and ``steered`` it
 returns nothing). Goals, in the table: ``steered`` at most +3% time vs ``idle``, ``idle`` at most +1% vs
@@ -27,6 +28,7 @@ and the runner's calls timed in every worker, TP workers included); ``--json`` k
     python bench/steer_overhead.py --model smollm2_135m
     python bench/steer_overhead.py --model llama8b-random          # random-weight 8B-shaped Llama
     python bench/steer_overhead.py --device-profile                # and where the device's time goes, by kernel
+    python bench/steer_overhead.py --host-profile                  # and where the host's time goes, by function
     python bench/steer_overhead.py --model tiny_random --dtype float32 --eager --batch 4 --max-tokens 8 \\
         --repeats 2 --vectors 2                                     # CPU smoke run
 """
@@ -53,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules be
 
 from paired import median_interval, paired_changes, paired_ratios, table  # noqa: E402
 from random_llama import llama_shape, random_llama  # noqa: E402
-from steer_profile import breakdown, device_profile, device_table, planner_profile  # noqa: E402
+from steer_profile import (breakdown, device_profile, device_table, host_profile, host_table,  # noqa: E402
+                           planner_profile)
 
 TOPICS = ["a lighthouse keeper", "the history of bread", "a journey to Mars", "an old clock", "the ocean floor",
           "a chess tournament", "a city in the rain", "the first computer", "a mountain village", "a lost dog",
@@ -177,10 +180,14 @@ def generate(llm, plan, engine=None):
     whose wall time grows while its CPU time does not waited on something else: the GPU, or a busy host.
     With the interp ``engine``, the timed call also takes the requests' results (captures) off the workers with
     ``VllmEngine.collect``, as ``VllmEngine.run`` does (through a shared-memory block from workers in other
-    processes; then the ranks' checksums are compared); the worker keeps a request's captures until collected."""
+    processes; then the ranks' checksums are compared); the worker keeps a request's captures until collected.
+    The prefix cache is emptied before each run."""
     prompts = [r.engine_prompt() for r in plan.requests]
     params = [r.sampling_params() for r in plan.requests]
     collected = {}
+    # every run computes its prompts: an idle request would read the last run's blocks from the prefix cache, where
+    # a steered one, whose blocks are its own (``kv_private``), may not
+    llm.reset_prefix_cache()
     t0, c0 = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     generated = time.perf_counter()
@@ -341,6 +348,9 @@ def worker(args) -> dict:
         if args.device_profile:
             info["device_profile"] = {name: device_profile(llm, plan, engine, generate)
                                       for name, plan in conditions.items()}
+        if args.host_profile:
+            info["host_profile"] = {name: host_profile(llm, plan, engine, generate)
+                                    for name, plan in conditions.items()}
     return info
 
 
@@ -368,8 +378,9 @@ def run_worker(kind: str, args, folder: Path, dummy: bool, scratch: Path) -> dic
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.eager:
         cmd.append("--eager")
-    if args.device_profile:
-        cmd.append("--device-profile")
+    for flag in ("device_profile", "host_profile"):
+        if getattr(args, flag):
+            cmd.append(f"--{flag.replace('_', '-')}")
     if args.cpus:
         cmd += ["--cpus", args.cpus]
     print(f"== {args.model}: {kind} engine", flush=True)
@@ -417,6 +428,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device-profile", action="store_true",
                     help="after the timed runs, one more run per condition under torch.profiler: device time by kernel "
                          "and the host's waits for the device")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="after the timed runs, three more runs per condition under cProfile: the host's time by "
+                         "function and the garbage collector's")
     ap.add_argument("--json", default="", help="write all numbers here")
     ap.add_argument("--report", nargs="*", help="only print the table of these --json files")
     # internal: one engine in this process
@@ -432,6 +446,7 @@ def main(argv=None) -> int:
         print(table(results))
         print(breakdown(results))
         print(device_table(results))
+        print(host_table(results))
         return 0
     parse_conditions(args.conditions)
     if args.worker:
@@ -460,6 +475,7 @@ def main(argv=None) -> int:
     print(table([result]))
     print(breakdown([result]))
     print(device_table([result]))
+    print(host_table([result]))
     failed = [w for w in result["workers"] if "error" in w]
     return 1 if failed else 0
 

@@ -1,10 +1,12 @@
 """Where an interp engine's time goes in ``steer_overhead.py``: one untimed run per condition with the plugin's and
 the runner's calls timed in every worker (``interp_runner.plugin.step_timers``, started and stopped through
-``collective_rpc``, so TP workers' own processes too), and the table of it."""
+``collective_rpc``, so TP workers' own processes too), and the table of it; on request, where the device's time goes
+(``torch.profiler``) and where the host's goes (``cProfile``)."""
 
 from __future__ import annotations
 
 import statistics
+import time
 
 
 def planner_profile(llm, plan, engine, generate) -> dict:
@@ -98,4 +100,68 @@ def device_table(results: list[dict]) -> str:
                 for name in diff[:8]:
                     (n1, ms1), (n0, ms0) = p["all"].get(name, [0, 0.0]), idle["all"].get(name, [0, 0.0])
                     lines.append(f"  {cond} vs idle: {ms1 - ms0:+8.2f} ms ({n0} -> {n1} calls) {name[:90]}")
+    return "\n".join(lines)
+
+
+def host_profile(llm, plan, engine, generate, runs: int = 3) -> dict:
+    """``runs`` more untimed runs under ``cProfile`` (the engine runs in this thread): each function's own time and
+    calls a run (the 400 largest), and the garbage collector's passes and time a run. Two conditions with the same
+    device work but different wall times differ here, where the host works or waits (a wait shows in the call
+    that waits)."""
+    import cProfile
+    import gc
+    import pstats
+
+    spent = {"passes": 0, "s": 0.0}
+    started = []
+
+    def on_gc(phase, _info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            spent["passes"] += 1
+            spent["s"] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(on_gc)
+    profiler = cProfile.Profile()
+    try:
+        walls = []
+        for _ in range(runs):
+            profiler.enable()
+            walls.append(generate(llm, plan, engine).wall_s)
+            profiler.disable()
+    finally:
+        gc.callbacks.remove(on_gc)
+    funcs = {}
+    for (path, line, name), (_, calls, own, cum, _) in pstats.Stats(profiler).stats.items():
+        key = f"{path.rsplit('site-packages/', 1)[-1].rsplit('/work/main/', 1)[-1]}:{line} {name}"
+        funcs[key] = [calls / runs, 1e3 * own / runs, 1e3 * cum / runs]
+    top = dict(sorted(funcs.items(), key=lambda kv: -kv[1][1])[:400])
+    return {"wall_s": statistics.median(walls), "gc_passes": spent["passes"] / runs, "gc_ms": 1e3 * spent["s"] / runs,
+            "funcs": top}
+
+
+def host_table(results: list[dict]) -> str:
+    """Per interp engine and condition, the profiled runs' wall and the collector's time; then, against idle, the
+    functions whose own time a run changed most."""
+    lines = []
+    for result in results:
+        for w in result["workers"]:
+            prof = w.get("host_profile")
+            if not prof:
+                continue
+            lines.append(f"host profile ({result['model']}): runs under cProfile, per run")
+            for cond, p in prof.items():
+                lines.append(f"{cond:<10} wall {p['wall_s'] * 1e3:8.1f} ms  gc {p['gc_passes']:6.1f} passes "
+                             f"{p['gc_ms']:6.2f} ms")
+            idle = prof.get("idle")
+            for cond, p in prof.items():
+                if idle is None or cond == "idle":
+                    continue
+                names = set(p["funcs"]) | set(idle["funcs"])
+                zero = [0.0, 0.0, 0.0]
+                diff = sorted(names, key=lambda k: -abs(p["funcs"].get(k, zero)[1] - idle["funcs"].get(k, zero)[1]))
+                for name in diff[:14]:
+                    (n1, own1, _), (n0, own0, _) = p["funcs"].get(name, zero), idle["funcs"].get(name, zero)
+                    lines.append(f"  {cond} vs idle: {own1 - own0:+8.2f} ms own ({n0:.0f} -> {n1:.0f} calls) {name[:100]}")
     return "\n".join(lines)
