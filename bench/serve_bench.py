@@ -54,7 +54,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from paired import median_interval  # noqa: E402  (the same interval as the offline bench)
 from random_llama import SHAPE_KEYS, llama_shape, random_llama  # noqa: E402
-from serve_probes import capture_body, fresh_vector_ttft, response_bytes, start_servers, worker_timers  # noqa: E402
+from serve_probes import (capture_body, fresh_vector_ttft, profile_table, response_bytes, start_servers,  # noqa: E402
+                          worker_timers)
 
 RANDOM_MODEL = "llama8b-random"  # a random-weight model of ``LLAMA8B`` (or ``--llama-shape``), no weight files
 
@@ -221,6 +222,7 @@ SERVER_METRICS = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_to
                   "vllm:request_decode_time_seconds_sum", "vllm:request_time_per_output_token_seconds_sum",
                   "vllm:request_time_per_output_token_seconds_count", "vllm:prefix_cache_hits_total",
                   "vllm:e2e_request_latency_seconds_count")
+STEPS = "vllm:iteration_tokens_total_count"
 # per interval, from those: (name, numerator, denominator); ms where the numerator is in seconds
 SERVER_FIGURES = (
     ("steps", "vllm:iteration_tokens_total_count", None),
@@ -299,6 +301,10 @@ def main() -> None:
     ap.add_argument("--ttft-repeats", type=int, default=20)
     ap.add_argument("--conditions", type=lambda v: v.split(","), default=list(CONDITIONS),
                     help=f"comma list of {', '.join(CONDITIONS + EXTRA_CONDITIONS)}")
+    ap.add_argument("--profile", type=lambda v: [k for k in v.split(",") if k], default=[],
+                    help="device and/or host (comma list): after the rounds, one more interp interval per condition "
+                         "and kind, profiled in the server's workers (torch.profiler: device time by kernel; cProfile: "
+                         "host time by function), each a step and against the first condition")
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no round that would end past this many seconds after the script started")
     ap.add_argument("--json", type=Path, default=None)
@@ -307,6 +313,8 @@ def main() -> None:
     unknown = set(args.conditions) - set(CONDITIONS + EXTRA_CONDITIONS)
     if unknown:
         ap.error(f"--conditions: unknown {', '.join(sorted(unknown))}")
+    if set(args.profile) - {"device", "host"}:
+        ap.error("--profile: a comma list of device, host")
     if args.report:
         print_table(json.loads(args.report.read_text()))
         return
@@ -405,6 +413,14 @@ def main() -> None:
                 report["elapsed_s"] = time.monotonic() - t0
                 if args.json:  # after every condition: a run cut short keeps what it measured
                     args.json.write_text(json.dumps(report, indent=1))
+        for kind, condition in ((k, c) for k in args.profile for c in args.conditions):  # one more interval each
+            worker_timers(8102, "interp_profile_start", [kind])
+            before = scrape(8102, SERVER_METRICS)
+            interval(args, lanes, 8102, condition, work, f"{condition}-{kind}", facts.num_layers, number)
+            number += 1
+            steps = scrape(8102, SERVER_METRICS)[STEPS] - before[STEPS]
+            report.setdefault("profiles", {}).setdefault(kind, {})[condition] = {
+                "steps": steps, **worker_timers(8102, "interp_profile_stop")[0]}
     finally:
         for lane in lanes:
             lane.close()
@@ -438,6 +454,8 @@ def print_table(report: dict) -> None:
         for condition, sides in absolute.items():
             for which, row in sides.items():
                 print(f"{condition + ' ' + which:<22}" + "".join(f"{_num(row[k]):>15}" for k in figures))
+    for kind, profiles in report.get("profiles", {}).items():
+        print(profile_table(kind, profiles))
     print("interp / stock, median of paired ratios and its 95% interval; TTFT of a fresh vector (ms):",
           json.dumps(report.get("fresh_vector_ttft")), "| response bytes:", json.dumps(report.get("response_bytes")),
           f"| {report.get('elapsed_s', 0):.0f} s measuring")

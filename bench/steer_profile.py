@@ -6,7 +6,6 @@ the runner's calls timed in every worker (``interp_runner.plugin.step_timers``, 
 from __future__ import annotations
 
 import statistics
-import time
 
 
 def planner_profile(llm, plan, engine, generate) -> dict:
@@ -47,34 +46,19 @@ def breakdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaStreamWaitEvent")
-
-
 def device_profile(llm, plan, engine, generate) -> dict:
     """One more untimed run under ``torch.profiler`` (the engine runs in this process): its wall time, its device
     activity (kernels and copies: milliseconds in all, and the 12 largest by name), and the host's calls that wait for
-    the device (``SYNC_CALLS``) with the copies from pageable host memory, each of which waits for the stream too.
-    Same kernels and device time in two conditions but a longer wall: the host, or a wait, takes the difference."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    the device with the copies from pageable host memory, each of which waits for the stream too
+    (``interp_runner.plugin.profiles``). Same kernels and device time in two conditions but a longer wall: the
+    host, or a wait, takes the difference."""
+    from interp_runner.plugin.profiles import DeviceProfile
 
-    on_gpu = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
-        run = generate(llm, plan, engine)
-        if on_gpu:
-            torch.cuda.synchronize()
-    device: dict[str, list] = {}
-    waits: dict[str, list] = {}
-    for event in prof.key_averages():
-        own = getattr(event, "self_device_time_total", 0.0)
-        if own > 0:
-            device[event.key] = [event.count, own / 1e3]
-        if event.key in SYNC_CALLS or "Pageable" in event.key:
-            waits[event.key] = [event.count, event.cpu_time_total / 1e3]
-    top = sorted(device.items(), key=lambda kv: -kv[1][1])[:12]
-    return {"wall_s": run.wall_s, "device_ms": sum(ms for _, ms in device.values()),
-            "device_calls": sum(n for n, _ in device.values()), "top": dict(top), "all": device, "waits": waits}
+    profile = DeviceProfile()
+    run = generate(llm, plan, engine)
+    summary = profile.stop()
+    top = sorted(summary["all"].items(), key=lambda kv: -kv[1][1])[:12]
+    return {"wall_s": run.wall_s, **summary, "top": dict(top)}
 
 
 def device_table(results: list[dict]) -> str:
@@ -104,41 +88,18 @@ def device_table(results: list[dict]) -> str:
 
 
 def host_profile(llm, plan, engine, generate, runs: int = 3) -> dict:
-    """``runs`` more untimed runs under ``cProfile`` (the engine runs in this thread): each function's own time and
-    calls a run (the 400 largest), and the garbage collector's passes and time a run. Two conditions with the same
-    device work but different wall times differ here, where the host works or waits (a wait shows in the call
-    that waits)."""
-    import cProfile
-    import gc
-    import pstats
+    """``runs`` more untimed runs under ``cProfile`` (the engine runs in this thread;
+    ``interp_runner.plugin.profiles.HostProfile``): each function's calls, own and cumulative time a run (the 400
+    largest), and the garbage collector's passes and time a run. Two conditions with the same device work but
+    different wall times differ here, where the host works or waits (a wait shows in the call that waits)."""
+    from interp_runner.plugin.profiles import HostProfile
 
-    spent = {"passes": 0, "s": 0.0}
-    started = []
-
-    def on_gc(phase, _info):
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            spent["passes"] += 1
-            spent["s"] += time.perf_counter() - started.pop()
-
-    gc.callbacks.append(on_gc)
-    profiler = cProfile.Profile()
-    try:
-        walls = []
-        for _ in range(runs):
-            profiler.enable()
-            walls.append(generate(llm, plan, engine).wall_s)
-            profiler.disable()
-    finally:
-        gc.callbacks.remove(on_gc)
-    funcs = {}
-    for (path, line, name), (_, calls, own, cum, _) in pstats.Stats(profiler).stats.items():
-        key = f"{path.rsplit('site-packages/', 1)[-1].rsplit('/work/main/', 1)[-1]}:{line} {name}"
-        funcs[key] = [calls / runs, 1e3 * own / runs, 1e3 * cum / runs]
-    top = dict(sorted(funcs.items(), key=lambda kv: -kv[1][1])[:400])
-    return {"wall_s": statistics.median(walls), "gc_passes": spent["passes"] / runs, "gc_ms": 1e3 * spent["s"] / runs,
-            "funcs": top}
+    profile = HostProfile()
+    walls = [generate(llm, plan, engine).wall_s for _ in range(runs)]
+    summary = profile.stop()
+    return {"wall_s": statistics.median(walls), "gc_passes": summary["gc_passes"] / runs,
+            "gc_ms": summary["gc_ms"] / runs,
+            "funcs": {k: [calls / runs, own / runs, cum / runs] for k, (calls, own, cum) in summary["funcs"].items()}}
 
 
 def host_table(results: list[dict]) -> str:

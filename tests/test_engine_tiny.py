@@ -291,3 +291,21 @@ def test_step_timers_time_every_step_and_leave_nothing_behind(runner_engine):
     assert timed["collect"]["steps"] >= 1
     assert all(t["total_ms"] > 0 and t["max_us"] >= t["median_us"] > 0 for t in timed.values())
     assert InterpState.before_forward is planner and llm.collective_rpc("interp_timers_stop") == [{}]
+
+
+def test_profiles_sum_a_span_of_steps_by_kernel_or_function(runner_engine):
+    llm = runner_engine.llm
+    steering = {"request": [{"prompts": [0], "base": {"post_block": {"layer": "all", "vector": vector()}}}]}
+    llm.collective_rpc("interp_profile_start")
+    run_config(runner_engine, config(steering=steering))
+    (profile,) = llm.collective_rpc("interp_profile_stop")
+    # a CPU engine: its host ops stand in for kernels; the steered sites' ops among them
+    assert profile["measured"] == "host" and profile["device_ms"] > 0
+    assert profile["device_calls"] == sum(n for n, _ in profile["all"].values())
+    assert profile["all"]["interp::site"][0] > 0 and any(name.endswith("mm") for name in profile["all"])
+    assert llm.collective_rpc("interp_profile_stop") == [{}]
+    llm.collective_rpc("interp_profile_start", args=("host",))
+    run_config(runner_engine, config(steering=steering))
+    (profile,) = llm.collective_rpc("interp_profile_stop")
+    steer = [row for name, row in profile["funcs"].items() if name.endswith(" steer")]
+    assert steer and steer[0][0] > 0 and profile["gc_passes"] >= 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from interp_runner.plugin import profiles
 from interp_runner.plugin.ops import deactivate
 from interp_runner.plugin.runner_patches import plans_steps, state_of, view_of
 from interp_runner.plugin.runners.base import room_name
@@ -105,3 +106,13 @@ class InterpWorkerExtension:
         """The calls timed since ``interp_timers_start`` (none: ``{}``), their wrappers removed."""
         timers, self._interp_timers = getattr(self, "_interp_timers", None), None
         return {} if timers is None else timers.stop()
+
+    def interp_profile_start(self, kind: str = "device") -> None:
+        """A benchmark's probe: profile this worker's ``device`` or ``host`` work from now on (``plugin.profiles``)."""
+        if getattr(self, "_interp_profile", None) is None:
+            self._interp_profile = profiles.KINDS[kind]()
+
+    def interp_profile_stop(self) -> dict:
+        """The work since ``interp_profile_start``, summed by name (none started: ``{}``); the profiler stops."""
+        profile, self._interp_profile = getattr(self, "_interp_profile", None), None
+        return {} if profile is None else profile.stop()
