@@ -11,6 +11,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from steer_profile import largest_changes
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -129,26 +131,23 @@ def profile_table(kind: str, profiles: dict) -> str:
     """Per condition's profiled interval: its steps, and device milliseconds a step (``device``: by kernel) or the
     collector's passes (``host``: own time by function); then, against the first condition, the names whose time a
     step changed most."""
-    column = 1  # ms: [calls, ms] by kernel, [calls, own ms, cumulative ms] by function
-    table = "all" if kind == "device" else "funcs"
+    table = "all" if kind == "device" else "funcs"  # [calls, ms] by kernel; [calls, own ms, cumulative ms] by function
     lines = [f"{kind} profile (one more interp interval each, in the server's workers):"]
     for condition, p in profiles.items():
         steps = max(p["steps"], 1)
         if kind == "device":
             waits = ", ".join(f"{k} {n} / {ms:.1f}" for k, (n, ms) in p.get("waits", {}).items()) or "none"
-            lines.append(f"  {condition:<16}{p['steps']:>6.0f} steps, {p['device_ms'] / steps:8.3f} device ms a step; "
+            lines.append(f"  {condition:<16}{p['steps']:>6.0f} steps, {p['device_ms'] / steps:8.3f} {p['measured']} ms a step; "
                          f"waits (calls, host ms): {waits}")
         else:
             lines.append(f"  {condition:<16}{p['steps']:>6.0f} steps, {sum(f[1] for f in p['funcs'].values()) / steps:8.3f}"
                          f" host ms a step in its largest functions; gc {p['gc_passes']} passes, {p['gc_ms']:.1f} ms")
+    def per_step(prof) -> dict:
+        steps = max(prof["steps"], 1)
+        return {name: [row[0] / steps, 1e3 * row[1] / steps] for name, row in prof[table].items()}
+
     (first, base), *others = profiles.items()
     for condition, p in others:
-        def per_step(prof, name):
-            row = prof[table].get(name)
-            steps = max(prof["steps"], 1)
-            return (0.0, 0.0) if row is None else (row[0] / steps, 1e3 * row[column] / steps)
-
-        changes = {n: (per_step(base, n), per_step(p, n)) for n in set(p[table]) | set(base[table])}
-        for name, ((c0, us0), (c1, us1)) in sorted(changes.items(), key=lambda kv: -abs(kv[1][1][1] - kv[1][0][1]))[:12]:
+        for name, (c0, us0), (c1, us1) in largest_changes(per_step(base), per_step(p), 12):
             lines.append(f"  {condition} vs {first}: {us1 - us0:+8.1f} µs a step ({c0:.2f} -> {c1:.2f} calls) {name[:90]}")
     return "\n".join(lines)

@@ -75,15 +75,7 @@ def device_table(results: list[dict]) -> str:
             for cond, p in prof.items():
                 waits = ", ".join(f"{k} {n} / {ms:.1f}" for k, (n, ms) in p["waits"].items()) or "none"
                 lines.append(f"{cond:<10}{p['wall_s'] * 1e3:>10.1f}{p['device_ms']:>11.2f}{p['device_calls']:>14}  {waits}")
-            idle = prof.get("idle")
-            for cond, p in prof.items():
-                if idle is None or cond == "idle":
-                    continue
-                names = set(p["all"]) | set(idle["all"])
-                diff = sorted(names, key=lambda k: -abs(p["all"].get(k, [0, 0.0])[1] - idle["all"].get(k, [0, 0.0])[1]))
-                for name in diff[:8]:
-                    (n1, ms1), (n0, ms0) = p["all"].get(name, [0, 0.0]), idle["all"].get(name, [0, 0.0])
-                    lines.append(f"  {cond} vs idle: {ms1 - ms0:+8.2f} ms ({n0} -> {n1} calls) {name[:90]}")
+            lines += _against_idle(prof, "all", 8, "")
     return "\n".join(lines)
 
 
@@ -115,14 +107,26 @@ def host_table(results: list[dict]) -> str:
             for cond, p in prof.items():
                 lines.append(f"{cond:<10} wall {p['wall_s'] * 1e3:8.1f} ms  gc {p['gc_passes']:6.1f} passes "
                              f"{p['gc_ms']:6.2f} ms")
-            idle = prof.get("idle")
-            for cond, p in prof.items():
-                if idle is None or cond == "idle":
-                    continue
-                names = set(p["funcs"]) | set(idle["funcs"])
-                zero = [0.0, 0.0, 0.0]
-                diff = sorted(names, key=lambda k: -abs(p["funcs"].get(k, zero)[1] - idle["funcs"].get(k, zero)[1]))
-                for name in diff[:14]:
-                    (n1, own1, _), (n0, own0, _) = p["funcs"].get(name, zero), idle["funcs"].get(name, zero)
-                    lines.append(f"  {cond} vs idle: {own1 - own0:+8.2f} ms own ({n0:.0f} -> {n1:.0f} calls) {name[:100]}")
+            lines += _against_idle(prof, "funcs", 14, " own")
     return "\n".join(lines)
+
+
+def largest_changes(base: dict, other: dict, top: int) -> list[tuple[str, list, list]]:
+    """The ``top`` names whose milliseconds (``name: [calls, ms, ...]``) changed most from ``base`` to ``other``, each
+    with its two rows (a name missing on one side counts as zero calls and time there)."""
+    zero = [0, 0.0]
+    rows = [(name, base.get(name, zero), other.get(name, zero)) for name in set(base) | set(other)]
+    return sorted(rows, key=lambda r: -abs(r[2][1] - r[1][1]))[:top]
+
+
+def _against_idle(prof: dict, table: str, top: int, what: str) -> list[str]:
+    """Per condition but idle, its ``top`` largest changes against idle in ``prof[condition][table]``."""
+    idle = prof.get("idle")
+    lines = []
+    for cond, p in prof.items():
+        if idle is None or cond == "idle":
+            continue
+        for name, before, after in largest_changes(idle[table], p[table], top):
+            lines.append(f"  {cond} vs idle: {after[1] - before[1]:+8.2f} ms{what} ({before[0]:.0f} -> {after[0]:.0f} "
+                         f"calls) {name[:100]}")
+    return lines

@@ -19,16 +19,18 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
 
 def summarize(prof) -> dict:
     """A finished profile: device milliseconds and calls in all, per name (``all``: [calls, ms]), and the waits
-    (``waits``: [calls, host ms]). Device time is each event's own; on a CPU engine, where no event has any, the host
-    ops' own CPU time stands in."""
+    (``waits``: [calls, host ms]). Device time is the device's own events' (kernels, copies, sets), not again the
+    host ops' that launched them; on a CPU engine, where there are none, the host ops' own CPU time stands in."""
+    from torch.autograd import DeviceType
+
     device: dict[str, list] = {}
     host: dict[str, list] = {}
     waits: dict[str, list] = {}
     for event in prof.key_averages():
         own = getattr(event, "self_device_time_total", 0.0)
-        if own > 0:
+        if own > 0 and event.device_type != DeviceType.CPU:
             device[event.key] = [event.count, own / 1e3]
-        elif event.self_cpu_time_total > 0:
+        elif event.device_type == DeviceType.CPU and event.self_cpu_time_total > 0:
             host[event.key] = [event.count, event.self_cpu_time_total / 1e3]
         if event.key in SYNC_CALLS or "Pageable" in event.key:
             waits[event.key] = [event.count, event.cpu_time_total / 1e3]
