@@ -65,17 +65,13 @@ def device_table(results: list[dict]) -> str:
     """Per interp engine and condition, the profiled run's wall and device time; then, against idle, the kernels whose
     device time changed most, and the waits."""
     lines = []
-    for result in results:
-        for w in result["workers"]:
-            prof = w.get("device_profile")
-            if not prof:
-                continue
-            lines.append(f"device profile ({result['model']}): one run per condition under torch.profiler")
-            lines.append(f"{'condition':<10}{'wall ms':>10}{'device ms':>11}{'device calls':>14}  waits (calls, host ms)")
-            for cond, p in prof.items():
-                waits = ", ".join(f"{k} {n} / {ms:.1f}" for k, (n, ms) in p["waits"].items()) or "none"
-                lines.append(f"{cond:<10}{p['wall_s'] * 1e3:>10.1f}{p['device_ms']:>11.2f}{p['device_calls']:>14}  {waits}")
-            lines += _against_idle(prof, "all", 8, "")
+    for model, prof in _profiles(results, "device_profile"):
+        lines.append(f"device profile ({model}): one run per condition under torch.profiler")
+        lines.append(f"{'condition':<10}{'wall ms':>10}{'device ms':>11}{'device calls':>14}  waits (calls, host ms)")
+        for cond, p in prof.items():
+            waits = ", ".join(f"{k} {n} / {ms:.1f}" for k, (n, ms) in p["waits"].items()) or "none"
+            lines.append(f"{cond:<10}{p['wall_s'] * 1e3:>10.1f}{p['device_ms']:>11.2f}{p['device_calls']:>14}  {waits}")
+        lines += _against_idle(prof, "all", 8, "")
     return "\n".join(lines)
 
 
@@ -98,17 +94,21 @@ def host_table(results: list[dict]) -> str:
     """Per interp engine and condition, the profiled runs' wall and the collector's time; then, against idle, the
     functions whose own time a run changed most."""
     lines = []
+    for model, prof in _profiles(results, "host_profile"):
+        lines.append(f"host profile ({model}): runs under cProfile, per run")
+        for cond, p in prof.items():
+            lines.append(f"{cond:<10} wall {p['wall_s'] * 1e3:8.1f} ms  gc {p['gc_passes']:6.1f} passes "
+                         f"{p['gc_ms']:6.2f} ms")
+        lines += _against_idle(prof, "funcs", 14, " own")
+    return "\n".join(lines)
+
+
+def _profiles(results: list[dict], key: str):
+    """(model, profile by condition) of every engine that made a ``key`` profile."""
     for result in results:
         for w in result["workers"]:
-            prof = w.get("host_profile")
-            if not prof:
-                continue
-            lines.append(f"host profile ({result['model']}): runs under cProfile, per run")
-            for cond, p in prof.items():
-                lines.append(f"{cond:<10} wall {p['wall_s'] * 1e3:8.1f} ms  gc {p['gc_passes']:6.1f} passes "
-                             f"{p['gc_ms']:6.2f} ms")
-            lines += _against_idle(prof, "funcs", 14, " own")
-    return "\n".join(lines)
+            if w.get(key):
+                yield result["model"], w[key]
 
 
 def largest_changes(base: dict, other: dict, top: int) -> list[tuple[str, list, list]]:
