@@ -187,7 +187,8 @@ def generate(llm, plan, engine=None):
     collected = {}
     # every run computes its prompts: an idle request would read the last run's blocks from the prefix cache, where
     # a steered one, whose blocks are its own (``kv_private``), may not
-    llm.reset_prefix_cache()
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the engine did not empty its prefix cache before a run")
     t0, c0 = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     generated = time.perf_counter()
