@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from paired import median_interval  # noqa: E402  (the same interval as the offline bench)
 from random_llama import SHAPE_KEYS, llama_shape, random_llama  # noqa: E402
 from serve_probes import (capture_body, fresh_vector_ttft, profile_table, response_bytes, start_servers,  # noqa: E402
-                          worker_timers)
+                          worker_call)
 
 RANDOM_MODEL = "llama8b-random"  # a random-weight model of ``LLAMA8B`` (or ``--llama-shape``), no weight files
 
@@ -217,17 +217,17 @@ COLLECT_METRICS = ("interp_collect_seconds_count", "interp_collect_seconds_sum",
                    "interp_carried_results_total")
 # vLLM's own counters on both servers' /metrics pages, summed over an interval: engine steps and their tokens, and
 # where a request's time went inside the server
-SERVER_METRICS = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
+STEPS = "vllm:iteration_tokens_total_count"  # engine steps
+SERVER_METRICS = (STEPS, "vllm:iteration_tokens_total_sum",
                   "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
                   "vllm:request_decode_time_seconds_sum", "vllm:request_time_per_output_token_seconds_sum",
                   "vllm:request_time_per_output_token_seconds_count", "vllm:prefix_cache_hits_total",
                   "vllm:e2e_request_latency_seconds_count")
-STEPS = "vllm:iteration_tokens_total_count"
 # per interval, from those: (name, numerator, denominator); ms where the numerator is in seconds
 SERVER_FIGURES = (
-    ("steps", "vllm:iteration_tokens_total_count", None),
-    ("step_ms", "wall_s", "vllm:iteration_tokens_total_count"),
-    ("tokens_per_step", "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count"),
+    ("steps", STEPS, None),
+    ("step_ms", "wall_s", STEPS),
+    ("tokens_per_step", "vllm:iteration_tokens_total_sum", STEPS),
     ("queue_ms", "vllm:request_queue_time_seconds_sum", "vllm:e2e_request_latency_seconds_count"),
     ("prefill_ms", "vllm:request_prefill_time_seconds_sum", "vllm:e2e_request_latency_seconds_count"),
     ("decode_ms", "vllm:request_decode_time_seconds_sum", "vllm:e2e_request_latency_seconds_count"),
@@ -380,7 +380,7 @@ def main() -> None:
                     port = 8101 if which == "stock" else 8102
                     names = SERVER_METRICS + (COLLECT_METRICS if which == "interp" else ())
                     if which == "interp":
-                        worker_timers(port, "interp_timers_start")
+                        worker_call(port, "interp_timers_start")
                     before, t_interval = scrape(port, names), time.monotonic()
                     figures = interval(args, lanes, port, "stock" if which == "stock" else condition,
                                        work, f"{condition}-{r}-{i}-{which}", facts.num_layers, number)
@@ -392,7 +392,7 @@ def main() -> None:
                     if which == "interp":  # the interp server's read-backs and its workers' host time
                         for name in COLLECT_METRICS:
                             collects[condition][name] += after[name] - before[name]
-                        add_timers(host[condition], worker_timers(port, "interp_timers_stop")[0])
+                        add_timers(host[condition], worker_call(port, "interp_timers_stop")[0])
                 # pairs: each interp interval with the stock interval next to it (1 with 0, 2 with 3)
                 for s, x in ((got["stock"][0], got["interp"][0]), (got["stock"][1], got["interp"][1])):
                     for m in PAIRED:
@@ -414,13 +414,13 @@ def main() -> None:
                 if args.json:  # after every condition: a run cut short keeps what it measured
                     args.json.write_text(json.dumps(report, indent=1))
         for kind, condition in ((k, c) for k in args.profile for c in args.conditions):  # one more interval each
-            worker_timers(8102, "interp_profile_start", [kind])
+            worker_call(8102, "interp_profile_start", [kind])
             before = scrape(8102, SERVER_METRICS)
             interval(args, lanes, 8102, condition, work, f"{condition}-{kind}", facts.num_layers, number)
             number += 1
             steps = scrape(8102, SERVER_METRICS)[STEPS] - before[STEPS]
             report.setdefault("profiles", {}).setdefault(kind, {})[condition] = {
-                "steps": steps, **worker_timers(8102, "interp_profile_stop")[0]}
+                "steps": steps, **worker_call(8102, "interp_profile_stop")[0]}
     finally:
         for lane in lanes:
             lane.close()

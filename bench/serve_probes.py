@@ -115,7 +115,7 @@ def fresh_vector_ttft(port: int, name: str, hidden: int, repeats: int) -> dict:
     return {k: {"median_ms": statistics.median(v), "max_ms": max(v)} for k, v in times.items()}
 
 
-def worker_timers(port: int, method: str, args: list | None = None) -> list:
+def worker_call(port: int, method: str, args: list | None = None) -> list:
     """A worker extension's method on the server's workers, through vLLM's dev route ``/collective_rpc``: each
     rank's answer. ``interp_timers_start`` / ``_stop``: the host time of the plugin's and the runner's calls per step
     (``interp_runner.plugin.step_timers``); ``interp_profile_start`` / ``_stop``: a profile (``plugin.profiles``)."""
@@ -134,14 +134,17 @@ def profile_table(kind: str, profiles: dict) -> str:
     table = "all" if kind == "device" else "funcs"  # [calls, ms] by kernel; [calls, own ms, cumulative ms] by function
     lines = [f"{kind} profile (one more interp interval each, in the server's workers):"]
     for condition, p in profiles.items():
+        head = f"  {condition:<16}{p['steps']:>6.0f} steps, "
         steps = max(p["steps"], 1)
         if kind == "device":
             waits = ", ".join(f"{k} {n} / {ms:.1f}" for k, (n, ms) in p.get("waits", {}).items()) or "none"
-            lines.append(f"  {condition:<16}{p['steps']:>6.0f} steps, {p['device_ms'] / steps:8.3f} {p['measured']} ms a step; "
+            lines.append(f"{head}{p['device_ms'] / steps:8.3f} {p['measured']} ms a step; "
                          f"waits (calls, host ms): {waits}")
         else:
-            lines.append(f"  {condition:<16}{p['steps']:>6.0f} steps, {sum(f[1] for f in p['funcs'].values()) / steps:8.3f}"
-                         f" host ms a step in its largest functions; gc {p['gc_passes']} passes, {p['gc_ms']:.1f} ms")
+            own = sum(f[1] for f in p["funcs"].values()) / steps
+            lines.append(f"{head}{own:8.3f} host ms a step in its largest functions; gc {p['gc_passes']} passes, "
+                         f"{p['gc_ms']:.1f} ms")
+
     def per_step(prof) -> dict:
         steps = max(prof["steps"], 1)
         return {name: [row[0] / steps, 1e3 * row[1] / steps] for name, row in prof[table].items()}
@@ -149,5 +152,6 @@ def profile_table(kind: str, profiles: dict) -> str:
     (first, base), *others = profiles.items()
     for condition, p in others:
         for name, (c0, us0), (c1, us1) in largest_changes(per_step(base), per_step(p), 12):
-            lines.append(f"  {condition} vs {first}: {us1 - us0:+8.1f} µs a step ({c0:.2f} -> {c1:.2f} calls) {name[:90]}")
+            lines.append(f"  {condition} vs {first}: {us1 - us0:+8.1f} µs a step ({c0:.2f} -> {c1:.2f} calls) "
+                         f"{name[:90]}")
     return "\n".join(lines)

@@ -307,8 +307,9 @@ def worker(args) -> dict:
     round_s = 0.0  # the last round's wall time
     for r in range(args.repeats):
         started = time.time()
+        # the round and the profiled run after it would pass the budget's end
         if r >= 2 and args.stop_at and started + 2.5 * round_s > args.stop_at:
-            info["rounds_cut"] = f"{r} of {args.repeats}: the budget's end"  # one more round and the profile would pass it
+            info["rounds_cut"] = f"{r} of {args.repeats}: the budget's end"
             break
         for name in names if r % 2 == 0 else names[::-1]:
             run = timed_run(name)
